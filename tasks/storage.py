@@ -1,0 +1,131 @@
+"""The one owner of ftflow's storage layout, local or S3-compatible, through fsspec.
+
+    <root>/tokenized/<content-key>/<split>/*.parquet   shared by every run with the same content
+    <root>/runs/<run_id>/train/                        Ray Train checkpoints
+    <root>/runs/<run_id>/model/                        consolidated Hugging Face model folder
+    <root>/runs/<run_id>/metrics.json
+    <root>/runs/<run_id>/predictions/*.parquet
+    <root>/runs/<run_id>/manifest.json                 written last: no manifest, no result
+
+S3 endpoint and credentials come from the environment (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...)
+as boto reads them; they are never copied into a path, a log line or an artifact.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import pyarrow.fs
+
+
+def is_remote(uri: str) -> bool:
+    return "://" in uri and not uri.startswith("file://")
+
+
+def normalize(uri: str) -> str:
+    """Absolute local paths, untouched URIs: the form stored in manifests and passed to workers."""
+    return uri.rstrip("/") if is_remote(uri) else str(Path(uri.removeprefix("file://")).expanduser().resolve())
+
+
+def filesystem(uri: str) -> tuple[fsspec.AbstractFileSystem, str]:
+    options = {}
+    if uri.startswith("s3://") and os.environ.get("AWS_ENDPOINT_URL"):
+        # s3fs does not read AWS_ENDPOINT_URL itself; S3-compatible stores (MinIO, moto) need it.
+        options["endpoint_url"] = os.environ["AWS_ENDPOINT_URL"]
+    return fsspec.core.url_to_fs(uri, **options)
+
+
+def join(uri: str, *parts: str) -> str:
+    return "/".join([uri.rstrip("/"), *parts])
+
+
+def exists(uri: str) -> bool:
+    fs, path = filesystem(uri)
+    return fs.exists(path)
+
+
+def write_json(uri: str, payload: Any) -> None:
+    fs, path = filesystem(uri)
+    fs.makedirs(fs._parent(path), exist_ok=True)
+    with fs.open(path, "w") as f:
+        json.dump(payload, f, indent=2, sort_keys=True, default=str)
+
+
+def read_json(uri: str) -> Any:
+    fs, path = filesystem(uri)
+    with fs.open(path) as f:
+        return json.load(f)
+
+
+def sha256(uri: str) -> str:
+    fs, path = filesystem(uri)
+    digest = hashlib.sha256()
+    with fs.open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def upload_dir(local_dir: str | Path, uri: str) -> None:
+    fs, path = filesystem(uri)
+    fs.makedirs(path, exist_ok=True)
+    for file in sorted(Path(local_dir).rglob("*")):
+        if file.is_file():
+            fs.put_file(str(file), join(path, file.relative_to(local_dir).as_posix()))
+
+
+def download_dir(uri: str, local_dir: str | Path) -> Path:
+    fs, path = filesystem(uri)
+    local_dir = Path(local_dir)
+    for remote in fs.find(path):
+        target = local_dir / remote[len(path.rstrip("/")) + 1 :]
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fs.get_file(remote, str(target))
+    return local_dir
+
+
+def pyarrow_filesystem(uri: str) -> tuple[str, pyarrow.fs.FileSystem | None]:
+    """(path, filesystem) for Ray Train's RunConfig and Ray Data, sharing fsspec's S3 settings."""
+    if not is_remote(uri):
+        return normalize(uri), None
+    fs, path = filesystem(uri)
+    return path, pyarrow.fs.PyFileSystem(pyarrow.fs.FSSpecHandler(fs))
+
+
+@dataclass(frozen=True)
+class RunStore:
+    root: str
+    run_id: str
+
+    @property
+    def base(self) -> str:
+        return join(normalize(self.root), "runs", self.run_id)
+
+    @property
+    def train_dir(self) -> str:
+        return join(self.base, "train")
+
+    @property
+    def model_dir(self) -> str:
+        return join(self.base, "model")
+
+    @property
+    def metrics(self) -> str:
+        return join(self.base, "metrics.json")
+
+    @property
+    def predictions(self) -> str:
+        return join(self.base, "predictions")
+
+    @property
+    def manifest(self) -> str:
+        return join(self.base, "manifest.json")
+
+    def tokenized(self, content_key: str) -> str:
+        return join(normalize(self.root), "tokenized", content_key)
