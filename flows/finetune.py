@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import sys
 from datetime import datetime, timezone
+from pathlib import Path
 
 from prefect import flow
 from prefect.runtime import flow_run
@@ -28,7 +30,8 @@ def finetune(params: FinetuneParams = FinetuneParams()) -> dict:
     splits = load_splits(params.data)  # bad input stops here, before Ray or storage are touched
     key = tokenize_key(splits, load_tokenizer(params.model.name_or_path), params.model.max_length, params.storage_root)
 
-    tokenized = tokenize(key, splits, params.model.name_or_path, params.ray_address)
+    tokenized = tokenize.with_options(refresh_cache=not key.shards_exist())(
+        key, splits, params.model.name_or_path, params.ray_address)
     history = train(tokenized, params.model.name_or_path, params.model.max_length, params.data.label_names,
                     params.train, store.base, params.ray_address)
     metrics = evaluate(store.model_dir, splits["test"], store.metrics)
@@ -48,7 +51,9 @@ def finetune(params: FinetuneParams = FinetuneParams()) -> dict:
 
 
 if __name__ == "__main__":
-    summary = finetune()
+    # `python -m flows.finetune [params.json]`: the embedded defaults, or FinetuneParams as JSON.
+    overrides = FinetuneParams.model_validate_json(Path(sys.argv[1]).read_text()) if len(sys.argv) > 1 else FinetuneParams()
+    summary = finetune(overrides)
     print(f"test accuracy: {summary['test_accuracy']:.4f}")
     print(f"run id:        {summary['run_id']}")
     print(f"artifacts:     {summary['run_dir']}")

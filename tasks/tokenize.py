@@ -35,6 +35,14 @@ class TokenizeKey(BaseModel):
     def digest(self) -> str:
         return hashlib.sha256(self.model_dump_json().encode()).hexdigest()[:16]
 
+    @property
+    def target(self) -> str:
+        return storage.join(self.root, "tokenized", self.digest)
+
+    def shards_exist(self) -> bool:
+        """False when the shards a cached result points to were deleted: then tokenize again."""
+        return all(storage.exists(storage.join(self.target, name)) for name in SPLITS)
+
 
 def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
     tokenizer = AutoTokenizer.from_pretrained(name_or_path)
@@ -75,7 +83,7 @@ def tokenize(
     key: TokenizeKey, splits: dict[str, Split], model_name_or_path: str, ray_address: str | None = None
 ) -> dict[str, str]:
     """Write each split's token ids as Parquet under <root>/tokenized/<key>/; return their URIs."""
-    target = storage.join(key.root, "tokenized", key.digest)
+    target = key.target
     fs, path = storage.filesystem(target)
     if fs.exists(path):  # leftovers of an interrupted attempt must not mix with this one
         fs.rm(path, recursive=True)

@@ -7,9 +7,10 @@ checkpoints stay visible and configurable; transformers still does all model I/O
 from __future__ import annotations
 
 import json
-import math
+import logging
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -26,6 +27,7 @@ from tasks import cluster, storage
 from tasks.config import TrainConfig
 
 STATE_FILE = "training_state.json"  # epoch, metrics and the engine's validation predictions
+PROGRESS_EVERY = 50  # steps between progress lines from rank 0
 
 
 def deepspeed_config(cfg: TrainConfig, workers: int, total_steps: int, bf16: bool) -> dict:
@@ -95,6 +97,8 @@ def fit_epoch(engine, loader: DataLoader, epoch: int, device: torch.device) -> t
         loss_sum += loss.detach().float().cpu()
         batches += 1
         samples += len(batch["labels"])
+        if batches % PROGRESS_EVERY == 0 and dist.get_rank() == 0:
+            print(f"epoch {epoch + 1} step {batches}/{len(loader)} loss {loss_sum.item() / batches:.4f}", flush=True)
     elapsed = time.perf_counter() - start
     totals = torch.tensor([loss_sum.item(), batches, samples], dtype=torch.float64)
     dist.all_reduce(totals)
@@ -137,6 +141,8 @@ def export(engine, tokenizer, stage: int, directory: Path, state: dict) -> None:
 def train_worker(config: dict) -> None:
     import deepspeed  # imported in the worker: it probes the accelerator at import
 
+    warnings.filterwarnings("ignore", category=FutureWarning)  # torch.distributed renames used by DeepSpeed
+    deepspeed.utils.logger.setLevel(logging.WARNING)
     cfg = TrainConfig(**config["train"])
     set_seed(cfg.seed)
     torch.set_num_threads(cfg.cpus_per_worker)

@@ -1,0 +1,107 @@
+"""Real parts for every test: a local Ray cluster, a Prefect test server, an S3 endpoint (moto)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from tiny_model import make_tiny_bert  # noqa: E402
+
+from tasks.config import SHIPPED_DATA  # noqa: E402
+
+S3_KEY, S3_SECRET = "ftflow-test-key", "ftflow-test-secret-do-not-log"
+BUCKET = "ftflow-test"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    """A moto S3 server on loopback; its endpoint and dummy credentials go into the environment
+    before Ray starts, so Ray workers see the same store."""
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    endpoint = f"http://127.0.0.1:{port}"
+    for _ in range(100):
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            break
+        except OSError:
+            time.sleep(0.1)
+    os.environ.update(AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID=S3_KEY, AWS_SECRET_ACCESS_KEY=S3_SECRET,
+                      AWS_DEFAULT_REGION="us-east-1")
+    import boto3
+
+    boto3.client("s3").create_bucket(Bucket=BUCKET)
+    yield endpoint
+    server.terminate()
+    server.wait()
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(s3_endpoint):
+    import ray
+
+    from tasks import cluster
+
+    cluster.connect()
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def prefect_server():
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=60):
+        yield
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().split("\n") if line]
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    texts = [r["text"] for r in read_jsonl(SHIPPED_DATA / "train.jsonl")]
+    return make_tiny_bert(texts, tmp_path_factory.mktemp("tiny-bert"))
+
+
+@pytest.fixture(scope="session")
+def small_data(tmp_path_factory) -> dict[str, Path]:
+    """Balanced slices of Rotten Tomatoes: 512 train, 128 validation, 128 test rows."""
+    folder = tmp_path_factory.mktemp("small-data")
+    sizes = {"train": 512, "validation": 128, "test": 128}
+    out = {}
+    for split, n in sizes.items():
+        rows = read_jsonl(SHIPPED_DATA / f"{split}.jsonl")
+        balanced = [r for r in rows if r["label"] == 0][: n // 2] + [r for r in rows if r["label"] == 1][: n // 2]
+        out[split] = write_jsonl(folder / f"{split}.jsonl", balanced)
+    return out

@@ -1,0 +1,66 @@
+"""Train: Ray Train workers with DeepSpeed engines; the exported model is the trained one, at every ZeRO stage."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+from tasks.config import DataConfig, TrainConfig
+from tasks.data import load_splits
+from tasks.tokenize import load_tokenizer, tokenize, tokenize_key
+from tasks.train import STATE_FILE, collate, deepspeed_config, read_tokenized, train
+
+LABELS = ["negative", "positive"]
+
+
+@pytest.fixture(scope="module")
+def tokenized(ray_cluster, tiny_model, small_data, tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("train-store"))
+    splits = load_splits(DataConfig(train_uri=str(small_data["train"]), validation_uri=str(small_data["validation"]),
+                                    test_uri=str(small_data["test"])))
+    key = tokenize_key(splits, load_tokenizer(str(tiny_model)), 64, root)
+    return root, tokenize(key, splits, str(tiny_model))
+
+
+def logits_of(model_dir: Path, rows: list[dict]) -> torch.Tensor:
+    model = AutoModelForSequenceClassification.from_pretrained(model_dir).eval()
+    pad = AutoTokenizer.from_pretrained(model_dir).pad_token_id
+    with torch.no_grad():
+        batches = [collate(pad)(rows[i : i + 32]) for i in range(0, len(rows), 32)]
+        return torch.cat([model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits for b in batches])
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_exported_model_predicts_like_the_engine_at_end_of_training(stage, tokenized, tiny_model):
+    root, uris = tokenized
+    run_dir = Path(root) / "runs" / f"zero{stage}"
+    cfg = TrainConfig(epochs=1, zero_stage=stage, batch_size=16, learning_rate=2e-3, num_workers=2)
+    history = train(uris, str(tiny_model), 64, LABELS, cfg, str(run_dir))
+
+    model_dir = run_dir / "model"
+    assert {"config.json", "model.safetensors", "tokenizer.json", STATE_FILE} <= {p.name for p in model_dir.iterdir()}
+    engine_predictions = json.loads((model_dir / STATE_FILE).read_text())["validation_predictions"]
+    rows = read_tokenized(uris["validation"])
+    logits = logits_of(model_dir, rows)
+    reloaded = logits.argmax(-1).tolist()
+    margins = (logits[:, 1] - logits[:, 0]).abs().tolist()
+    assert len(reloaded) == len(engine_predictions) == 128
+    # Only a float-noise tie may flip a label between the engine and the reloaded weights.
+    assert all(margins[i] < 1e-4 for i in range(len(rows)) if reloaded[i] != engine_predictions[i])
+    accuracy = sum(p == r["label"] for p, r in zip(reloaded, rows)) / len(rows)
+    assert accuracy == pytest.approx(history[-1]["val_accuracy"], abs=1 / len(rows))
+
+    initial = AutoModelForSequenceClassification.from_pretrained(tiny_model).state_dict()
+    trained = AutoModelForSequenceClassification.from_pretrained(model_dir).state_dict()
+    assert not torch.equal(initial["bert.encoder.layer.0.attention.self.query.weight"],
+                           trained["bert.encoder.layer.0.attention.self.query.weight"])
+    assert AutoModelForSequenceClassification.from_pretrained(model_dir).config.id2label == dict(enumerate(LABELS))
+
+
+def test_batch_that_workers_cannot_split_is_refused_early():
+    with pytest.raises(ValueError, match="batch_size=30 is not divisible by 4 workers"):
+        deepspeed_config(TrainConfig(batch_size=30), workers=4, total_steps=10, bf16=False)
