@@ -96,9 +96,9 @@ def tiny_model(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def small_data(tmp_path_factory) -> dict[str, Path]:
-    """Balanced slices of Rotten Tomatoes: 512 train, 128 validation, 128 test rows."""
+    """Balanced slices of Rotten Tomatoes: 2048 train, 128 validation, 128 test rows."""
     folder = tmp_path_factory.mktemp("small-data")
-    sizes = {"train": 512, "validation": 128, "test": 128}
+    sizes = {"train": 2048, "validation": 128, "test": 128}
     out = {}
     for split, n in sizes.items():
         rows = read_jsonl(SHIPPED_DATA / f"{split}.jsonl")
