@@ -65,7 +65,7 @@ class TrainConfig(BaseModel):
     num_workers: int | None = Field(None, ge=1, description="Ray Train workers; default: what the cluster fits.")
     cpus_per_worker: int = Field(1, ge=1)
     zero_stage: Literal[0, 1, 2, 3] = Field(2, description="DeepSpeed ZeRO stage.")
-    epochs: int = Field(2, ge=1)
+    epochs: int = Field(1, ge=1)
     batch_size: int = Field(32, ge=1, description="Global batch size (all workers together).")
     learning_rate: float = Field(1e-4, gt=0)
     warmup_ratio: float = Field(0.1, ge=0, lt=1)
