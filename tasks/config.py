@@ -11,7 +11,7 @@ from importlib.util import find_spec
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 SHIPPED_DATA = PROJECT_ROOT / "data" / "rotten_tomatoes"
@@ -62,15 +62,35 @@ class ModelConfig(BaseModel):
 
 
 class TrainConfig(BaseModel):
-    num_workers: int | None = Field(None, ge=1, description="Ray Train workers; default: what the cluster fits.")
-    cpus_per_worker: int = Field(1, ge=1)
-    zero_stage: Literal[0, 1, 2, 3] = Field(2, description="DeepSpeed ZeRO stage.")
+    """Training, with every DeepSpeed memory and speed feature; tasks/train.py derives the DeepSpeed JSON."""
+
+    num_workers: int | None = Field(None, ge=1, description="Ray Train workers; default: one per GPU, else one per cpus_per_worker CPUs.")
+    cpus_per_worker: int = Field(1, ge=1, description="CPUs (and torch threads) per worker.")
+    zero_stage: Literal[0, 1, 2, 3] = Field(2, description="DeepSpeed ZeRO: 1 shards optimizer state, 2 also gradients, 3 also parameters.")
+    offload_optimizer: bool = Field(False, description="Keep optimizer state in CPU memory (DeepSpeedCPUAdam); ZeRO 1-3.")
+    offload_params: bool = Field(False, description="Keep parameters in CPU memory between uses; ZeRO 3 only.")
+    activation_checkpointing: bool = Field(False, description="Recompute activations in the backward pass instead of storing them.")
+    activation_offload: bool = Field(False, description="Move saved activations to CPU memory (GPU only).")
+    precision: Literal["auto", "fp32", "fp16", "bf16"] = Field("auto", description="auto: bf16 on GPU, fp32 on CPU.")
     epochs: int = Field(1, ge=1)
-    batch_size: int = Field(32, ge=1, description="Global batch size (all workers together).")
-    learning_rate: float = Field(1e-4, gt=0)
+    batch_size: int = Field(32, ge=1, description="Global batch: micro_batch_size x gradient accumulation x workers.")
+    micro_batch_size: int | None = Field(None, ge=1, description="Per worker and step; default: batch_size / workers (no accumulation).")
+    learning_rate: float = Field(1e-4, gt=0, description="Peak learning rate, after linear warm-up; then linear decay to 0.")
     warmup_ratio: float = Field(0.1, ge=0, lt=1)
-    weight_decay: float = Field(0.01, ge=0)
+    weight_decay: float = Field(0.01, ge=0, description="AdamW decay of weight matrices (not of biases and norms).")
+    max_grad_norm: float = Field(1.0, ge=0, description="Gradient clipping; 0 disables it.")
     seed: int = 42
+    deepspeed: dict = Field({}, description="Raw DeepSpeed JSON merged over the derived one, for experts.")
+
+    @model_validator(mode="after")
+    def _combinations(self) -> TrainConfig:
+        if self.offload_params and self.zero_stage != 3:
+            raise ValueError("offload_params needs zero_stage=3 (only stage 3 partitions parameters): set zero_stage=3 or offload_params=false")
+        if self.offload_optimizer and self.zero_stage == 0:
+            raise ValueError("offload_optimizer needs zero_stage 1, 2 or 3: set zero_stage or offload_optimizer=false")
+        if self.micro_batch_size and self.batch_size % self.micro_batch_size:
+            raise ValueError(f"batch_size={self.batch_size} is not a multiple of micro_batch_size={self.micro_batch_size}")
+        return self
 
 
 class InferenceConfig(BaseModel):

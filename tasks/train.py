@@ -11,6 +11,8 @@ import logging
 import tempfile
 import time
 import warnings
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -30,29 +32,88 @@ STATE_FILE = "training_state.json"  # epoch, metrics and the engine's validation
 PROGRESS_EVERY = 50  # steps between progress lines from rank 0
 
 
-def deepspeed_config(cfg: TrainConfig, workers: int, total_steps: int, bf16: bool) -> dict:
+@dataclass(frozen=True)
+class Plan:
+    """How a TrainConfig lands on this cluster; checked before any training worker starts."""
+
+    workers: int
+    micro_batch: int
+    accumulation: int
+    use_gpu: bool
+    precision: str  # fp32, fp16, bf16, or auto (bf16 where the GPU has it, else fp16)
+
+    def describe(self, cfg: TrainConfig) -> str:
+        device = "GPU" if self.use_gpu else "CPU"
+        return (f"{self.workers} {device} worker(s) x micro-batch {self.micro_batch} x accumulation {self.accumulation}"
+                f" = global batch {cfg.batch_size}, ZeRO-{cfg.zero_stage}, {self.precision}")
+
+
+def cpu_has_native_bf16() -> bool:
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def plan(cfg: TrainConfig, resources: cluster.Resources) -> Plan:
+    """Resolve workers, micro-batch, accumulation and precision, or say what to change."""
+    workers = resources.training_workers(cfg.num_workers, cfg.cpus_per_worker)
+    micro = cfg.micro_batch_size or cfg.batch_size // workers
+    if micro < 1 or cfg.batch_size % (workers * micro):
+        raise ValueError(
+            f"batch_size={cfg.batch_size} is not divisible by {workers} workers x micro_batch_size={micro}; "
+            f"use a batch_size that is a multiple of {workers * max(micro, 1)} or change micro_batch_size/num_workers"
+        )
+    use_gpu = bool(resources.gpus)
+    if not use_gpu and cfg.precision == "fp16":
+        raise ValueError("precision=fp16 needs a GPU and this cluster has none: use fp32 (or auto)")
+    if not use_gpu and cfg.precision == "bf16" and not cpu_has_native_bf16():
+        raise ValueError("precision=bf16: this CPU has no native bf16 (avx512_bf16/amx) and this cluster no GPU: use fp32")
+    if not use_gpu and cfg.activation_offload:
+        raise ValueError("activation_offload moves GPU activations to CPU memory; this cluster has no GPU: set it false")
+    precision = "fp32" if cfg.precision == "auto" and not use_gpu else cfg.precision
+    return Plan(workers, micro, cfg.batch_size // (workers * micro), use_gpu, precision)
+
+
+def merge(base: dict, override: dict) -> dict:
+    """Deep merge: the expert's raw DeepSpeed keys win, nested sections are merged key by key."""
+    merged = dict(base)
+    for key, value in override.items():
+        merged[key] = merge(merged[key], value) if isinstance(value, dict) and isinstance(merged.get(key), dict) else value
+    return merged
+
+
+def deepspeed_config(cfg: TrainConfig, plan: Plan, total_steps: int) -> dict:
     """The DeepSpeed JSON, derived from the typed config in this one place."""
-    if cfg.batch_size % workers:
-        raise ValueError(f"batch_size={cfg.batch_size} is not divisible by {workers} workers; pick a multiple of {workers}")
-    return {
+    zero: dict = {"stage": cfg.zero_stage, "stage3_gather_16bit_weights_on_model_save": True}
+    if cfg.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": plan.use_gpu}
+    if cfg.offload_params:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": plan.use_gpu}
+    derived = {
         "train_batch_size": cfg.batch_size,
-        "train_micro_batch_size_per_gpu": cfg.batch_size // workers,
-        "gradient_accumulation_steps": 1,
-        "gradient_clipping": 1.0,
-        "zero_optimization": {"stage": cfg.zero_stage, "stage3_gather_16bit_weights_on_model_save": True},
-        "bf16": {"enabled": bf16},
+        "train_micro_batch_size_per_gpu": plan.micro_batch,
+        "gradient_accumulation_steps": plan.accumulation,
+        "gradient_clipping": cfg.max_grad_norm,
+        "zero_optimization": zero,
+        "bf16": {"enabled": plan.precision == "bf16"},
+        "fp16": {"enabled": plan.precision == "fp16"},
+        "optimizer": {
+            "type": "AdamW",
+            # torch's AdamW needs no JIT build; offloaded state needs DeepSpeedCPUAdam.
+            "params": {"lr": cfg.learning_rate, "weight_decay": cfg.weight_decay, "torch_adam": not cfg.offload_optimizer},
+        },
         "scheduler": {
             "type": "WarmupDecayLR",
             "params": {
                 "warmup_min_lr": 0.0,
                 "warmup_max_lr": cfg.learning_rate,
                 "warmup_num_steps": int(total_steps * cfg.warmup_ratio),
-                "total_num_steps": total_steps,
+                "total_num_steps": max(total_steps, 1),
                 "warmup_type": "linear",
             },
         },
         "steps_per_print": 10**9,
     }
+    return merge(derived, cfg.deepspeed)
 
 
 def read_tokenized(uri: str) -> list[dict]:
@@ -85,14 +146,16 @@ def _to(batch: dict, device: torch.device) -> dict:
     return {k: v.to(device) for k, v in batch.items()}
 
 
-def fit_epoch(engine, loader: DataLoader, epoch: int, device: torch.device) -> tuple[float, float]:
+def fit_epoch(engine, loader: DataLoader, epoch: int, device: torch.device, offload_activations: bool) -> tuple[float, float]:
     """One pass over this worker's shard; returns (mean loss over all workers, samples/s)."""
     loader.sampler.set_epoch(epoch)
     engine.train()
     loss_sum, batches, samples, start = torch.zeros(1), 0, 0, time.perf_counter()
     for batch in loader:
-        loss = engine(**_to(batch, device)).loss
-        engine.backward(loss)
+        # save_on_cpu keeps the tensors autograd saves for backward in host memory until needed.
+        with torch.autograd.graph.save_on_cpu(pin_memory=True) if offload_activations else nullcontext():
+            loss = engine(**_to(batch, device)).loss
+            engine.backward(loss)
         engine.step()
         loss_sum += loss.detach().float().cpu()
         batches += 1
@@ -138,44 +201,51 @@ def export(engine, tokenizer, stage: int, directory: Path, state: dict) -> None:
         (directory / STATE_FILE).write_text(json.dumps(state))
 
 
-def train_worker(config: dict) -> None:
-    import deepspeed  # imported in the worker: it probes the accelerator at import
-
-    warnings.filterwarnings("ignore", category=FutureWarning)  # torch.distributed renames used by DeepSpeed
-    deepspeed.utils.logger.setLevel(logging.WARNING)
-    cfg = TrainConfig(**config["train"])
-    set_seed(cfg.seed)
-    torch.set_num_threads(cfg.cpus_per_worker)
-    device = ray.train.torch.get_device()
-    use_cuda = device.type == "cuda"
-    deepspeed.init_distributed(dist_backend="nccl" if use_cuda else "gloo")
-    world = dist.get_world_size()
-
-    tokenizer = AutoTokenizer.from_pretrained(config["model"])
-    tokenizer.model_max_length = config["max_length"]  # the exported tokenizer truncates as training did
+def build_model(config: dict, cfg: TrainConfig):
     model = AutoModelForSequenceClassification.from_pretrained(
         config["model"],
         num_labels=len(config["label_names"]),
         id2label=dict(enumerate(config["label_names"])),
         label2id={name: i for i, name in enumerate(config["label_names"])},
     )
-    micro = cfg.batch_size // world
-    train_loader = _loader(read_tokenized(config["train_uri"]), micro, tokenizer.pad_token_id, True, cfg.seed)
-    val_loader = _loader(read_tokenized(config["validation_uri"]), micro, tokenizer.pad_token_id, False, cfg.seed)
-    total_steps = cfg.epochs * len(train_loader)
-    bf16 = use_cuda and torch.cuda.is_bf16_supported()
-    decay = [p for n, p in model.named_parameters() if p.ndim > 1]
-    no_decay = [p for n, p in model.named_parameters() if p.ndim <= 1]
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=cfg.learning_rate,
-    )
+    if cfg.activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def param_groups(model) -> list[dict]:
+    """Weight decay for weight matrices only, as BERT-style recipes do."""
+    named = list(model.named_parameters())
+    return [{"params": [p for _, p in named if p.ndim > 1]}, {"params": [p for _, p in named if p.ndim <= 1], "weight_decay": 0.0}]
+
+
+def train_worker(config: dict) -> None:
+    import deepspeed  # imported in the worker: it probes the accelerator at import
+
+    warnings.filterwarnings("ignore", category=FutureWarning)  # torch.distributed renames used by DeepSpeed
+    deepspeed.utils.logger.setLevel(logging.WARNING)
+    cfg, plan = TrainConfig(**config["train"]), Plan(**config["plan"])
+    set_seed(cfg.seed)
+    torch.set_num_threads(cfg.cpus_per_worker)
+    device = ray.train.torch.get_device()
+    if plan.precision == "auto":  # on GPU: bf16 where the hardware has it
+        plan = replace(plan, precision="bf16" if torch.cuda.is_bf16_supported() else "fp16")
+    if plan.precision == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise ValueError(f"precision=bf16 but {torch.cuda.get_device_name()} has no bf16: use fp16 or auto")
+    deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
+
+    tokenizer = AutoTokenizer.from_pretrained(config["model"])
+    tokenizer.model_max_length = config["max_length"]  # the exported tokenizer truncates as training did
+    model = build_model(config, cfg)
+    train_loader = _loader(read_tokenized(config["train_uri"]), plan.micro_batch, tokenizer.pad_token_id, True, cfg.seed)
+    val_loader = _loader(read_tokenized(config["validation_uri"]), plan.micro_batch, tokenizer.pad_token_id, False, cfg.seed)
+    total_steps = cfg.epochs * (len(train_loader) // plan.accumulation)
     engine, *_ = deepspeed.initialize(
-        model=model, optimizer=optimizer, config=deepspeed_config(cfg, world, total_steps, bf16)
+        model=model, model_parameters=param_groups(model), config=deepspeed_config(cfg, plan, total_steps)
     )
 
     for epoch in range(cfg.epochs):
-        train_loss, samples_per_s = fit_epoch(engine, train_loader, epoch, device)
+        train_loss, samples_per_s = fit_epoch(engine, train_loader, epoch, device, cfg.activation_offload)
         val_loss, val_accuracy, predictions = validate(engine, val_loader, device)
         metrics = {
             "epoch": epoch + 1,
@@ -205,14 +275,14 @@ def train(
     logger = get_run_logger()
     cluster.connect(ray_address)
     resources = cluster.Resources.of_cluster()
-    workers = resources.training_workers(cfg.num_workers, cfg.cpus_per_worker)
-    deepspeed_config(cfg, workers, 1, False)  # refuse a bad batch split before starting workers
+    the_plan = plan(cfg, resources)  # refuse what cannot run before any worker starts
     storage_path, filesystem = storage.pyarrow_filesystem(storage.join(run_dir, "train"))
-    logger.info("training on %d %s worker(s), ZeRO stage %d", workers, "GPU" if resources.gpus else "CPU", cfg.zero_stage)
+    logger.info("training on %s", the_plan.describe(cfg))
     trainer = TorchTrainer(
         train_worker,
         train_loop_config={
             "train": cfg.model_dump(),
+            "plan": asdict(the_plan),
             "model": model_name_or_path,
             "max_length": max_length,
             "label_names": label_names,
@@ -220,9 +290,9 @@ def train(
             "validation_uri": tokenized["validation"],
         },
         scaling_config=ScalingConfig(
-            num_workers=workers, use_gpu=bool(resources.gpus), resources_per_worker={"CPU": cfg.cpus_per_worker}
+            num_workers=the_plan.workers, use_gpu=the_plan.use_gpu, resources_per_worker={"CPU": cfg.cpus_per_worker}
         ),
-        torch_config=TorchConfig(backend="nccl" if resources.gpus else "gloo"),
+        torch_config=TorchConfig(backend="nccl" if the_plan.use_gpu else "gloo"),
         run_config=RunConfig(
             name="ray", storage_path=storage_path, storage_filesystem=filesystem,
             checkpoint_config=CheckpointConfig(num_to_keep=2),

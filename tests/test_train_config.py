@@ -1,0 +1,76 @@
+"""The training config: what it derives, and every combination it refuses before the cluster starts."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from tasks.cluster import Resources
+from tasks.config import TrainConfig
+from tasks.train import deepspeed_config, plan
+
+LAPTOP, GPU_NODE = Resources(cpus=2, gpus=0), Resources(cpus=16, gpus=2)
+
+
+def test_defaults_fit_the_machine_with_no_accumulation():
+    p = plan(TrainConfig(), LAPTOP)
+    assert (p.workers, p.micro_batch, p.accumulation, p.use_gpu, p.precision) == (2, 16, 1, False, "fp32")
+    assert p.describe(TrainConfig()) == "2 CPU worker(s) x micro-batch 16 x accumulation 1 = global batch 32, ZeRO-2, fp32"
+
+
+def test_accumulation_is_what_the_global_batch_leaves_over():
+    cfg = TrainConfig(num_workers=1, micro_batch_size=8, batch_size=32)
+    p = plan(cfg, LAPTOP)
+    assert (p.micro_batch, p.accumulation) == (8, 4)
+    ds = deepspeed_config(cfg, p, total_steps=100)
+    assert ds["train_batch_size"] == 32 and ds["train_micro_batch_size_per_gpu"] == 8
+    assert ds["gradient_accumulation_steps"] == 4
+    assert ds["scheduler"]["params"]["warmup_num_steps"] == 10
+
+
+def test_gpu_cluster_gets_one_worker_per_gpu_and_mixed_precision():
+    p = plan(TrainConfig(), GPU_NODE)
+    assert (p.workers, p.use_gpu, p.precision) == (2, True, "auto")
+
+
+@pytest.mark.parametrize(
+    ("cfg", "resources", "message"),
+    [
+        (TrainConfig(batch_size=20, num_workers=2, micro_batch_size=4), LAPTOP, "batch_size=20 is not divisible by 2 workers x micro_batch_size=4; use a batch_size that is a multiple of 8"),
+        (TrainConfig(num_workers=4), LAPTOP, "num_workers=4 but the cluster fits 2"),
+        (TrainConfig(precision="fp16"), LAPTOP, "precision=fp16 needs a GPU"),
+        (TrainConfig(activation_offload=True), LAPTOP, "activation_offload moves GPU activations"),
+        (TrainConfig(num_workers=3), GPU_NODE, "num_workers=3 but the cluster fits 2"),
+    ],
+)
+def test_what_cannot_run_here_is_refused_with_what_to_change(cfg, resources, message):
+    with pytest.raises(ValueError, match=message):
+        plan(cfg, resources)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"offload_params": True, "zero_stage": 2}, "offload_params needs zero_stage=3"),
+        ({"offload_optimizer": True, "zero_stage": 0}, "offload_optimizer needs zero_stage 1, 2 or 3"),
+        ({"batch_size": 30, "micro_batch_size": 8}, "batch_size=30 is not a multiple of micro_batch_size=8"),
+    ],
+)
+def test_invalid_combinations_fail_as_parameters(fields, message):
+    with pytest.raises(ValidationError, match=message):
+        TrainConfig(**fields)
+
+
+def test_offload_uses_deepspeeds_cpu_adam_and_raw_overrides_win():
+    cfg = TrainConfig(
+        zero_stage=3, offload_optimizer=True, offload_params=True,
+        deepspeed={"zero_optimization": {"reduce_bucket_size": 1000}, "gradient_clipping": 0.5},
+    )
+    ds = deepspeed_config(cfg, plan(cfg, LAPTOP), total_steps=10)
+    zero = ds["zero_optimization"]
+    assert zero["stage"] == 3 and zero["reduce_bucket_size"] == 1000
+    assert zero["offload_optimizer"]["device"] == zero["offload_param"]["device"] == "cpu"
+    assert ds["optimizer"]["params"]["torch_adam"] is False
+    assert ds["gradient_clipping"] == 0.5
+    plain = deepspeed_config(TrainConfig(), plan(TrainConfig(), LAPTOP), total_steps=10)
+    assert "offload_optimizer" not in plain["zero_optimization"] and plain["optimizer"]["params"]["torch_adam"] is True
