@@ -11,7 +11,9 @@ import logging
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from contextlib import nullcontext
+from itertools import islice
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -20,7 +22,7 @@ import ray.train
 import torch
 import torch.distributed as dist
 from prefect import get_run_logger, task
-from ray.train import Checkpoint, CheckpointConfig, RunConfig, ScalingConfig
+from ray.train import Checkpoint, CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 from torch.utils.data import DataLoader, DistributedSampler
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, set_seed
@@ -28,8 +30,9 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer, set_
 from tasks import cluster, storage
 from tasks.config import TrainConfig
 
-STATE_FILE = "training_state.json"  # epoch, metrics and the engine's validation predictions
+STATE_FILE = "training_state.json"  # per-epoch history and the engine's validation predictions
 PROGRESS_EVERY = 50  # steps between progress lines from rank 0
+ENGINE_DIR, MODEL_DIR = "deepspeed", "model"  # the two parts of a checkpoint
 
 
 @dataclass(frozen=True)
@@ -146,26 +149,35 @@ def _to(batch: dict, device: torch.device) -> dict:
     return {k: v.to(device) for k, v in batch.items()}
 
 
-def fit_epoch(engine, loader: DataLoader, epoch: int, device: torch.device, offload_activations: bool) -> tuple[float, float]:
-    """One pass over this worker's shard; returns (mean loss over all workers, samples/s)."""
+def fit_epoch(
+    engine, loader: DataLoader, epoch: int, device: torch.device, offload_activations: bool,
+    skip: int = 0, checkpoint_every: int = 0, save_midway: Callable[[int], None] | None = None,
+) -> tuple[float, float]:
+    """One pass over this worker's shard, less the `skip` micro-batches a resumed run already did;
+    returns (mean loss over all workers, samples/s). The sampler's order depends only on seed and
+    epoch, so skipping replays exactly where the checkpoint left off."""
     loader.sampler.set_epoch(epoch)
     engine.train()
     loss_sum, batches, samples, start = torch.zeros(1), 0, 0, time.perf_counter()
-    for batch in loader:
+    for batch in islice(loader, skip, None):
         # save_on_cpu keeps the tensors autograd saves for backward in host memory until needed.
         with torch.autograd.graph.save_on_cpu(pin_memory=True) if offload_activations else nullcontext():
             loss = engine(**_to(batch, device)).loss
             engine.backward(loss)
-        engine.step()
+        steps_before = engine.global_steps
+        engine.step()  # an optimizer step only at the end of an accumulation cycle
         loss_sum += loss.detach().float().cpu()
         batches += 1
         samples += len(batch["labels"])
         if batches % PROGRESS_EVERY == 0 and dist.get_rank() == 0:
-            print(f"epoch {epoch + 1} step {batches}/{len(loader)} loss {loss_sum.item() / batches:.4f}", flush=True)
+            print(f"epoch {epoch + 1} batch {skip + batches}/{len(loader)} loss {loss_sum.item() / batches:.4f}", flush=True)
+        stepped = engine.global_steps != steps_before
+        if checkpoint_every and stepped and engine.global_steps % checkpoint_every == 0:
+            save_midway(skip + batches)
     elapsed = time.perf_counter() - start
     totals = torch.tensor([loss_sum.item(), batches, samples], dtype=torch.float64)
     dist.all_reduce(totals)
-    return totals[0].item() / totals[1].item(), totals[2].item() / elapsed
+    return totals[0].item() / max(totals[1].item(), 1), totals[2].item() / elapsed
 
 
 @torch.no_grad()
@@ -199,6 +211,32 @@ def export(engine, tokenizer, stage: int, directory: Path, state: dict) -> None:
         engine.module.save_pretrained(directory, state_dict=weights)
         tokenizer.save_pretrained(directory)
         (directory / STATE_FILE).write_text(json.dumps(state))
+
+
+def save(engine, position: dict, metrics: dict, export_model: tuple | None = None) -> None:
+    """Report a checkpoint from every rank: the DeepSpeed engine state (each rank writes its own
+    ZeRO shards, Ray gathers them into one checkpoint) and, at epoch ends, the exported model.
+    `position` (epoch, micro-batches done, per-epoch history) travels inside the engine state."""
+    with tempfile.TemporaryDirectory() as tmp:
+        engine.save_checkpoint(f"{tmp}/{ENGINE_DIR}", tag="state", client_state={"position": position})
+        if export_model:
+            tokenizer, stage, final = export_model
+            export(engine, tokenizer, stage, Path(tmp) / MODEL_DIR, final)
+        ray.train.report(metrics, checkpoint=Checkpoint.from_directory(tmp))
+
+
+def resume(engine) -> dict:
+    """Load the latest checkpoint Ray Train holds for this run (after a worker failure, a task
+    retry or a re-run with the same run id); return its position, or the start of training."""
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is None:
+        return {"epoch": 0, "batches_done": 0, "history": []}
+    with checkpoint.as_directory() as folder:
+        _, client_state = engine.load_checkpoint(f"{folder}/{ENGINE_DIR}", tag="state")
+    position = client_state["position"]
+    if dist.get_rank() == 0:
+        print(f"resumed at step {engine.global_steps}: epoch {position['epoch'] + 1}, batch {position['batches_done']}", flush=True)
+    return position
 
 
 def build_model(config: dict, cfg: TrainConfig):
@@ -244,21 +282,30 @@ def train_worker(config: dict) -> None:
         model=model, model_parameters=param_groups(model), config=deepspeed_config(cfg, plan, total_steps)
     )
 
-    for epoch in range(cfg.epochs):
-        train_loss, samples_per_s = fit_epoch(engine, train_loader, epoch, device, cfg.activation_offload)
+    position = resume(engine)
+    start_epoch, history, resumed_from = position["epoch"], position["history"], engine.global_steps
+    for epoch in range(start_epoch, cfg.epochs):
+        def save_midway(batches_done: int, epoch: int = epoch) -> None:
+            metrics = {"epoch": epoch + batches_done / len(train_loader), "step": engine.global_steps}
+            save(engine, {"epoch": epoch, "batches_done": batches_done, "history": history}, metrics)
+
+        train_loss, samples_per_s = fit_epoch(
+            engine, train_loader, epoch, device, cfg.activation_offload,
+            position["batches_done"] if epoch == start_epoch else 0, cfg.checkpoint_every_steps, save_midway,
+        )
         val_loss, val_accuracy, predictions = validate(engine, val_loader, device)
-        metrics = {
+        history.append({
             "epoch": epoch + 1,
             "step": engine.global_steps,
+            "resumed_from_step": resumed_from,
             "train_loss": train_loss,
             "val_loss": val_loss,
             "val_accuracy": val_accuracy,
             "samples_per_s": samples_per_s,
-        }
-        with tempfile.TemporaryDirectory() as tmp:
-            export(engine, tokenizer, cfg.zero_stage, Path(tmp), {**metrics, "validation_predictions": predictions})
-            checkpoint = Checkpoint.from_directory(tmp) if dist.get_rank() == 0 else None
-            ray.train.report(metrics, checkpoint=checkpoint)
+        })
+        final = {"history": history, "validation_predictions": predictions}
+        save(engine, {"epoch": epoch + 1, "batches_done": 0, "history": history}, history[-1],
+             export_model=(tokenizer, cfg.zero_stage, final))
 
 
 @task
@@ -296,15 +343,18 @@ def train(
         run_config=RunConfig(
             name="ray", storage_path=storage_path, storage_filesystem=filesystem,
             checkpoint_config=CheckpointConfig(num_to_keep=2),
+            failure_config=FailureConfig(max_failures=cfg.max_failures),
         ),
     )
     result = trainer.fit()
-    history = result.metrics_dataframe.to_dict("records")
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = Path(result.checkpoint.to_directory(tmp)) / MODEL_DIR
+        history = json.loads((model_dir / STATE_FILE).read_text())["history"]
+        storage.upload_dir(model_dir, storage.join(run_dir, "model"))
     for row in history:
         logger.info(
-            "epoch %d step %d: train_loss %.4f val_loss %.4f val_accuracy %.4f (%.1f samples/s)",
+            "epoch %d step %d: train_loss %.4f val_loss %.4f val_accuracy %.4f (%.1f samples/s)%s",
             row["epoch"], row["step"], row["train_loss"], row["val_loss"], row["val_accuracy"], row["samples_per_s"],
+            f", resumed from step {row['resumed_from_step']}" if row["resumed_from_step"] else "",
         )
-    with tempfile.TemporaryDirectory() as tmp:
-        storage.upload_dir(result.checkpoint.to_directory(tmp), storage.join(run_dir, "model"))
-    return [{k: row[k] for k in ("epoch", "step", "train_loss", "val_loss", "val_accuracy", "samples_per_s")} for row in history]
+    return history

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import json
+import threading
+import time
 from pathlib import Path
+
+import psutil
 
 import pytest
 import torch
@@ -34,6 +38,21 @@ def logits_of(model_dir: Path, rows: list[dict]) -> torch.Tensor:
         return torch.cat([model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits for b in batches])
 
 
+def assert_model_is_the_trained_engine(model_dir: Path, uris: dict, history: list[dict]) -> None:
+    """The exported folder is complete, reloads, and predicts the validation split as the engine did."""
+    assert {"config.json", "model.safetensors", "tokenizer.json", STATE_FILE} <= {p.name for p in model_dir.iterdir()}
+    engine_predictions = json.loads((model_dir / STATE_FILE).read_text())["validation_predictions"]
+    rows = read_tokenized(uris["validation"])
+    logits = logits_of(model_dir, rows)
+    reloaded = logits.argmax(-1).tolist()
+    margins = (logits[:, 1] - logits[:, 0]).abs().tolist()
+    assert len(reloaded) == len(engine_predictions) == 128
+    # Only a float-noise tie may flip a label between the engine and the reloaded weights.
+    assert all(margins[i] < 1e-4 for i in range(len(rows)) if reloaded[i] != engine_predictions[i])
+    accuracy = sum(p == r["label"] for p, r in zip(reloaded, rows)) / len(rows)
+    assert accuracy == pytest.approx(history[-1]["val_accuracy"], abs=1 / len(rows))
+
+
 STRATEGIES = {
     "zero0": {"zero_stage": 0},
     "zero1": {"zero_stage": 1},
@@ -52,20 +71,45 @@ def test_exported_model_predicts_like_the_engine_at_end_of_training(strategy, to
     history = train(uris, str(tiny_model), 64, LABELS, cfg, str(run_dir))
 
     model_dir = run_dir / "model"
-    assert {"config.json", "model.safetensors", "tokenizer.json", STATE_FILE} <= {p.name for p in model_dir.iterdir()}
-    engine_predictions = json.loads((model_dir / STATE_FILE).read_text())["validation_predictions"]
-    rows = read_tokenized(uris["validation"])
-    logits = logits_of(model_dir, rows)
-    reloaded = logits.argmax(-1).tolist()
-    margins = (logits[:, 1] - logits[:, 0]).abs().tolist()
-    assert len(reloaded) == len(engine_predictions) == 128
-    # Only a float-noise tie may flip a label between the engine and the reloaded weights.
-    assert all(margins[i] < 1e-4 for i in range(len(rows)) if reloaded[i] != engine_predictions[i])
-    accuracy = sum(p == r["label"] for p, r in zip(reloaded, rows)) / len(rows)
-    assert accuracy == pytest.approx(history[-1]["val_accuracy"], abs=1 / len(rows))
+    assert_model_is_the_trained_engine(model_dir, uris, history)
 
     initial = AutoModelForSequenceClassification.from_pretrained(tiny_model).state_dict()
     trained = AutoModelForSequenceClassification.from_pretrained(model_dir).state_dict()
     assert not torch.equal(initial["bert.encoder.layer.0.attention.self.query.weight"],
                            trained["bert.encoder.layer.0.attention.self.query.weight"])
     assert AutoModelForSequenceClassification.from_pretrained(model_dir).config.id2label == dict(enumerate(LABELS))
+
+
+def kill_a_worker_once_a_checkpoint_is_committed(ray_dir: Path, killed: list[int], stop: threading.Event) -> None:
+    """Kill one training worker once Ray Train's snapshot lists a checkpoint: a folder that is still
+    uploading, or not yet registered by the controller, is not a checkpoint to resume from."""
+    snapshot = ray_dir / "checkpoint_manager_snapshot.json"
+    while not stop.is_set():
+        if snapshot.exists() and "checkpoint_dir_name" in snapshot.read_text():
+            workers = [p for p in psutil.process_iter(["cmdline"]) if "RayTrainWorker" in " ".join(p.info["cmdline"] or [])]
+            if workers:
+                workers[-1].kill()
+                killed.append(workers[-1].pid)
+                return
+        time.sleep(0.05)
+
+
+def test_killed_worker_resumes_from_the_last_checkpoint(tokenized, tiny_model):
+    root, uris = tokenized
+    run_dir = Path(root) / "runs" / "killed"
+    cfg = TrainConfig(epochs=3, batch_size=16, learning_rate=2e-3, num_workers=2, checkpoint_every_steps=10, max_failures=1)
+    killed, stop = [], threading.Event()
+    killer = threading.Thread(target=kill_a_worker_once_a_checkpoint_is_committed, args=(run_dir / "train" / "ray", killed, stop))
+    killer.start()
+    try:
+        history = train(uris, str(tiny_model), 64, LABELS, cfg, str(run_dir))
+    finally:
+        stop.set()
+        killer.join()
+
+    assert killed, "no training worker was killed"
+    steps_per_epoch = 2048 // 16
+    assert [row["epoch"] for row in history] == [1, 2, 3] and history[-1]["step"] == 3 * steps_per_epoch
+    resumed_from = history[-1]["resumed_from_step"]
+    assert resumed_from > 0 and resumed_from % 10 == 0, "training restarted from step 0"
+    assert_model_is_the_trained_engine(run_dir / "model", uris, history)
