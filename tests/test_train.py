@@ -113,3 +113,14 @@ def test_killed_worker_resumes_from_the_last_checkpoint(tokenized, tiny_model):
     resumed_from = history[-1]["resumed_from_step"]
     assert resumed_from > 0 and resumed_from % 10 == 0, "training restarted from step 0"
     assert_model_is_the_trained_engine(run_dir / "model", uris, history)
+
+
+def test_rerun_of_a_run_resumes_from_its_stored_checkpoint(tokenized, tiny_model):
+    """What a Prefect retry of the training task, or a flow re-run with the same run id, does."""
+    root, uris = tokenized
+    run_dir = str(Path(root) / "runs" / "rerun")
+    first = train(uris, str(tiny_model), 64, LABELS, TrainConfig(epochs=1, batch_size=16, num_workers=2), run_dir)
+    longer = train(uris, str(tiny_model), 64, LABELS, TrainConfig(epochs=2, batch_size=16, num_workers=2), run_dir)
+    assert longer[0] == first[0], "the first epoch was trained again"
+    assert longer[1]["resumed_from_step"] == first[0]["step"] == 2048 // 16
+    assert_model_is_the_trained_engine(Path(run_dir) / "model", uris, longer)
