@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import resource
 import tempfile
 import time
 import warnings
@@ -25,7 +26,8 @@ from prefect import get_run_logger, task
 from ray.train import Checkpoint, CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 from torch.utils.data import DataLoader, DistributedSampler
-from transformers import AutoModelForSequenceClassification, AutoTokenizer, set_seed
+from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, set_seed
+from transformers.integrations.deepspeed import HfDeepSpeedConfig
 
 from tasks import cluster, storage
 from tasks.config import TrainConfig
@@ -84,13 +86,20 @@ def merge(base: dict, override: dict) -> dict:
     return merged
 
 
-def deepspeed_config(cfg: TrainConfig, plan: Plan, total_steps: int) -> dict:
+def deepspeed_config(cfg: TrainConfig, plan: Plan, total_steps: int, hidden_size: int = 768) -> dict:
     """The DeepSpeed JSON, derived from the typed config in this one place."""
     zero: dict = {"stage": cfg.zero_stage, "stage3_gather_16bit_weights_on_model_save": True}
+    if cfg.zero_stage:
+        # Buckets sized to the model, as transformers' "auto" values do: DeepSpeed's defaults
+        # (5e8 elements) are for billion-parameter models and cost more than ZeRO saves on small ones.
+        zero |= {"reduce_bucket_size": hidden_size**2, "allgather_bucket_size": hidden_size**2}
+    if cfg.zero_stage == 3:
+        zero |= {"stage3_prefetch_bucket_size": int(0.9 * hidden_size**2), "stage3_param_persistence_threshold": 10 * hidden_size}
     if cfg.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": plan.use_gpu}
     if cfg.offload_params:
         zero["offload_param"] = {"device": "cpu", "pin_memory": plan.use_gpu}
+    warmup_steps = max(1, int(total_steps * cfg.warmup_ratio))  # DeepSpeed's schedulers need >= 1
     derived = {
         "train_batch_size": cfg.batch_size,
         "train_micro_batch_size_per_gpu": plan.micro_batch,
@@ -109,8 +118,8 @@ def deepspeed_config(cfg: TrainConfig, plan: Plan, total_steps: int) -> dict:
             "params": {
                 "warmup_min_lr": 0.0,
                 "warmup_max_lr": cfg.learning_rate,
-                "warmup_num_steps": int(total_steps * cfg.warmup_ratio),
-                "total_num_steps": max(total_steps, 1),
+                "warmup_num_steps": warmup_steps,
+                "total_num_steps": max(total_steps, warmup_steps + 1),
                 "warmup_type": "linear",
             },
         },
@@ -213,6 +222,17 @@ def export(engine, tokenizer, stage: int, directory: Path, state: dict) -> None:
         (directory / STATE_FILE).write_text(json.dumps(state))
 
 
+def peak_memory_mb(device: torch.device) -> float:
+    """The largest peak over workers: accelerator memory on GPU, resident set size on CPU."""
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device) / 2**20
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # Linux reports KiB
+    worst = torch.tensor([peak], dtype=torch.float64, device=device if device.type == "cuda" else "cpu")
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    return worst.item()
+
+
 def save(engine, position: dict, metrics: dict, export_model: tuple | None = None) -> None:
     """Report a checkpoint from every rank: the DeepSpeed engine state (each rank writes its own
     ZeRO shards, Ray gathers them into one checkpoint) and, at epoch ends, the exported model.
@@ -239,7 +259,10 @@ def resume(engine) -> dict:
     return position
 
 
-def build_model(config: dict, cfg: TrainConfig):
+def build_model(config: dict, cfg: TrainConfig, ds_config: dict):
+    # While this object lives, from_pretrained builds a ZeRO-3 model already partitioned (zero.Init):
+    # no worker ever holds the whole model, which is what lets ZeRO-3 fit models that do not fit.
+    zero_init = HfDeepSpeedConfig(ds_config) if cfg.zero_stage == 3 else None  # noqa: F841 (kept alive)
     model = AutoModelForSequenceClassification.from_pretrained(
         config["model"],
         num_labels=len(config["label_names"]),
@@ -274,13 +297,13 @@ def train_worker(config: dict) -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(config["model"])
     tokenizer.model_max_length = config["max_length"]  # the exported tokenizer truncates as training did
-    model = build_model(config, cfg)
     train_loader = _loader(read_tokenized(config["train_uri"]), plan.micro_batch, tokenizer.pad_token_id, True, cfg.seed)
     val_loader = _loader(read_tokenized(config["validation_uri"]), plan.micro_batch, tokenizer.pad_token_id, False, cfg.seed)
     total_steps = cfg.epochs * (len(train_loader) // plan.accumulation)
-    engine, *_ = deepspeed.initialize(
-        model=model, model_parameters=param_groups(model), config=deepspeed_config(cfg, plan, total_steps)
-    )
+    hidden_size = getattr(AutoConfig.from_pretrained(config["model"]), "hidden_size", 768)
+    ds_config = deepspeed_config(cfg, plan, total_steps, hidden_size)
+    model = build_model(config, cfg, ds_config)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model), config=ds_config)
 
     position = resume(engine)
     start_epoch, history, resumed_from = position["epoch"], position["history"], engine.global_steps
@@ -302,6 +325,7 @@ def train_worker(config: dict) -> None:
             "val_loss": val_loss,
             "val_accuracy": val_accuracy,
             "samples_per_s": samples_per_s,
+            "peak_memory_mb": peak_memory_mb(device),
         })
         final = {"history": history, "validation_predictions": predictions}
         save(engine, {"epoch": epoch + 1, "batches_done": 0, "history": history}, history[-1],
@@ -353,8 +377,9 @@ def train(
         storage.upload_dir(model_dir, storage.join(run_dir, "model"))
     for row in history:
         logger.info(
-            "epoch %d step %d: train_loss %.4f val_loss %.4f val_accuracy %.4f (%.1f samples/s)%s",
+            "epoch %d step %d: train_loss %.4f val_loss %.4f val_accuracy %.4f (%.1f samples/s, peak %.0f MiB per worker)%s",
             row["epoch"], row["step"], row["train_loss"], row["val_loss"], row["val_accuracy"], row["samples_per_s"],
+            row["peak_memory_mb"],
             f", resumed from step {row['resumed_from_step']}" if row["resumed_from_step"] else "",
         )
     return history

@@ -124,3 +124,4 @@ def test_rerun_of_a_run_resumes_from_its_stored_checkpoint(tokenized, tiny_model
     assert longer[0] == first[0], "the first epoch was trained again"
     assert longer[1]["resumed_from_step"] == first[0]["step"] == 2048 // 16
     assert_model_is_the_trained_engine(Path(run_dir) / "model", uris, longer)
+
