@@ -89,12 +89,11 @@ def merge(base: dict, override: dict) -> dict:
 def deepspeed_config(cfg: TrainConfig, plan: Plan, total_steps: int, hidden_size: int = 768) -> dict:
     """The DeepSpeed JSON, derived from the typed config in this one place."""
     zero: dict = {"stage": cfg.zero_stage, "stage3_gather_16bit_weights_on_model_save": True}
-    if cfg.zero_stage:
-        # Buckets sized to the model, as transformers' "auto" values do: DeepSpeed's defaults
-        # (5e8 elements) are for billion-parameter models and cost more than ZeRO saves on small ones.
-        zero |= {"reduce_bucket_size": hidden_size**2, "allgather_bucket_size": hidden_size**2}
     if cfg.zero_stage == 3:
-        zero |= {"stage3_prefetch_bucket_size": int(0.9 * hidden_size**2), "stage3_param_persistence_threshold": 10 * hidden_size}
+        # ZeRO-3 buffers sized to the model, as transformers' "auto" values do; DeepSpeed's defaults
+        # are for billion-parameter models.
+        zero |= {"reduce_bucket_size": hidden_size**2, "stage3_prefetch_bucket_size": int(0.9 * hidden_size**2),
+                 "stage3_param_persistence_threshold": 10 * hidden_size}
     if cfg.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": plan.use_gpu}
     if cfg.offload_params:
