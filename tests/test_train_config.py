@@ -66,9 +66,10 @@ def test_offload_uses_deepspeeds_cpu_adam_and_raw_overrides_win():
         zero_stage=3, offload_optimizer=True, offload_params=True,
         deepspeed={"zero_optimization": {"reduce_bucket_size": 1000}, "gradient_clipping": 0.5},
     )
-    ds = deepspeed_config(cfg, plan(cfg, LAPTOP), total_steps=10)
+    ds = deepspeed_config(cfg, plan(cfg, LAPTOP), total_steps=10, hidden_size=384)
     zero = ds["zero_optimization"]
     assert zero["stage"] == 3 and zero["reduce_bucket_size"] == 1000
+    assert zero["stage3_prefetch_bucket_size"] == int(0.9 * 384**2) and zero["stage3_param_persistence_threshold"] == 3840
     assert zero["offload_optimizer"]["device"] == zero["offload_param"]["device"] == "cpu"
     assert ds["optimizer"]["params"]["torch_adam"] is False
     assert ds["gradient_clipping"] == 0.5
