@@ -14,8 +14,8 @@ import time
 import warnings
 from collections.abc import Callable
 from contextlib import nullcontext
-from itertools import islice
 from dataclasses import asdict, dataclass, replace
+from itertools import islice
 from pathlib import Path
 
 import pyarrow.parquet as pq
