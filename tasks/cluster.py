@@ -34,7 +34,7 @@ class Resources:
         total = ray.cluster_resources()
         return cls(cpus=total.get("CPU", 0.0), gpus=int(total.get("GPU", 0)))
 
-    def training_workers(self, requested: int | None, cpus_per_worker: int) -> int:
+    def training_workers(self, requested: int | None, cpus_per_worker: float) -> int:
         fits = self.gpus if self.gpus else int(self.cpus // cpus_per_worker)
         if requested is None:
             return max(1, fits)

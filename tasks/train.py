@@ -34,6 +34,10 @@ from tasks.config import TrainConfig
 
 STATE_FILE = "training_state.json"  # per-epoch history and the engine's validation predictions
 PROGRESS_EVERY = 50  # steps between progress lines from rank 0
+# glibc raises its mmap threshold to 32 MiB after the first large free, so tensors up to that size
+# are then carved from the heap and fragment it: ZeRO-3's per-layer gathers grew a CPU worker's RSS
+# by ~200 MiB in 4 steps. A fixed threshold hands every freed tensor above 64 KiB back to the OS.
+WORKER_ENV = {"MALLOC_MMAP_THRESHOLD_": str(64 * 2**10)}
 ENGINE_DIR, MODEL_DIR = "deepspeed", "model"  # the two parts of a checkpoint
 
 
@@ -91,9 +95,13 @@ def deepspeed_config(cfg: TrainConfig, plan: Plan, total_steps: int, hidden_size
     zero: dict = {"stage": cfg.zero_stage, "stage3_gather_16bit_weights_on_model_save": True}
     if cfg.zero_stage == 3:
         # ZeRO-3 buffers sized to the model, as transformers' "auto" values do; DeepSpeed's defaults
-        # are for billion-parameter models.
+        # are for billion-parameter models. Its default live/reuse limits (1e9 parameters) would keep
+        # every gathered layer of a smaller model until backward, undoing the partitioning: allow
+        # about one transformer layer (~12 hidden^2 parameters) instead.
+        layer = 12 * hidden_size**2
         zero |= {"reduce_bucket_size": hidden_size**2, "stage3_prefetch_bucket_size": int(0.9 * hidden_size**2),
-                 "stage3_param_persistence_threshold": 10 * hidden_size}
+                 "stage3_param_persistence_threshold": 10 * hidden_size,
+                 "stage3_max_live_parameters": layer, "stage3_max_reuse_distance": layer}
     if cfg.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": plan.use_gpu}
     if cfg.offload_params:
@@ -160,13 +168,18 @@ def _to(batch: dict, device: torch.device) -> dict:
 def fit_epoch(
     engine, loader: DataLoader, epoch: int, device: torch.device, offload_activations: bool,
     skip: int = 0, checkpoint_every: int = 0, save_midway: Callable[[int], None] | None = None,
-) -> tuple[float, float]:
-    """One pass over this worker's shard, less the `skip` micro-batches a resumed run already did;
-    returns (mean loss over all workers, samples/s). The sampler's order depends only on seed and
-    epoch, so skipping replays exactly where the checkpoint left off."""
+) -> dict:
+    """One pass over this worker's shard, less the `skip` micro-batches a resumed run already did.
+
+    The sampler's order depends only on seed and epoch, so skipping replays exactly where the
+    checkpoint left off. Returns the mean loss over all workers, the steady-state samples/s (after
+    the first batch, which pays one-time costs, and without checkpoint time), when the first batch
+    ended (perf_counter) and the mean seconds per midway checkpoint.
+    """
     loader.sampler.set_epoch(epoch)
     engine.train()
-    loss_sum, batches, samples, start = torch.zeros(1), 0, 0, time.perf_counter()
+    loss_sum, batches, samples, saves = torch.zeros(1), 0, 0, []
+    first_done = time.perf_counter()
     for batch in islice(loader, skip, None):
         # save_on_cpu keeps the tensors autograd saves for backward in host memory until needed.
         with torch.autograd.graph.save_on_cpu(pin_memory=True) if offload_activations else nullcontext():
@@ -176,16 +189,25 @@ def fit_epoch(
         engine.step()  # an optimizer step only at the end of an accumulation cycle
         loss_sum += loss.detach().float().cpu()
         batches += 1
-        samples += len(batch["labels"])
+        if batches == 1:
+            first_done = time.perf_counter()
+        else:
+            samples += len(batch["labels"])
         if batches % PROGRESS_EVERY == 0 and dist.get_rank() == 0:
             print(f"epoch {epoch + 1} batch {skip + batches}/{len(loader)} loss {loss_sum.item() / batches:.4f}", flush=True)
-        stepped = engine.global_steps != steps_before
-        if checkpoint_every and stepped and engine.global_steps % checkpoint_every == 0:
+        if checkpoint_every and engine.global_steps != steps_before and engine.global_steps % checkpoint_every == 0:
+            started = time.perf_counter()
             save_midway(skip + batches)
-    elapsed = time.perf_counter() - start
+            saves.append(time.perf_counter() - started)
+    elapsed = time.perf_counter() - first_done - sum(saves)
     totals = torch.tensor([loss_sum.item(), batches, samples], dtype=torch.float64)
     dist.all_reduce(totals)
-    return totals[0].item() / max(totals[1].item(), 1), totals[2].item() / elapsed
+    return {
+        "train_loss": totals[0].item() / max(totals[1].item(), 1),
+        "samples_per_s": totals[2].item() / elapsed if elapsed > 0 else 0.0,
+        "first_batch_done": first_done,
+        "checkpoint_s": sum(saves) / len(saves) if saves else None,
+    }
 
 
 @torch.no_grad()
@@ -280,13 +302,14 @@ def param_groups(model) -> list[dict]:
 
 
 def train_worker(config: dict) -> None:
+    started = time.perf_counter()
     import deepspeed  # imported in the worker: it probes the accelerator at import
 
     warnings.filterwarnings("ignore", category=FutureWarning)  # torch.distributed renames used by DeepSpeed
     deepspeed.utils.logger.setLevel(logging.WARNING)
     cfg, plan = TrainConfig(**config["train"]), Plan(**config["plan"])
     set_seed(cfg.seed)
-    torch.set_num_threads(cfg.cpus_per_worker)
+    torch.set_num_threads(max(1, int(cfg.cpus_per_worker)))
     device = ray.train.torch.get_device()
     if plan.precision == "auto":  # on GPU: bf16 where the hardware has it
         plan = replace(plan, precision="bf16" if torch.cuda.is_bf16_supported() else "fp16")
@@ -311,7 +334,7 @@ def train_worker(config: dict) -> None:
             metrics = {"epoch": epoch + batches_done / len(train_loader), "step": engine.global_steps}
             save(engine, {"epoch": epoch, "batches_done": batches_done, "history": history}, metrics)
 
-        train_loss, samples_per_s = fit_epoch(
+        fitted = fit_epoch(
             engine, train_loader, epoch, device, cfg.activation_offload,
             position["batches_done"] if epoch == start_epoch else 0, cfg.checkpoint_every_steps, save_midway,
         )
@@ -320,11 +343,14 @@ def train_worker(config: dict) -> None:
             "epoch": epoch + 1,
             "step": engine.global_steps,
             "resumed_from_step": resumed_from,
-            "train_loss": train_loss,
+            "train_loss": fitted["train_loss"],
             "val_loss": val_loss,
             "val_accuracy": val_accuracy,
-            "samples_per_s": samples_per_s,
+            "samples_per_s": fitted["samples_per_s"],
             "peak_memory_mb": peak_memory_mb(device),
+            # this attempt's start-up (model load, engine build, first batch), in its first epoch only
+            "startup_s": fitted["first_batch_done"] - started if epoch == start_epoch else None,
+            "checkpoint_s": fitted["checkpoint_s"],
         })
         final = {"history": history, "validation_predictions": predictions}
         save(engine, {"epoch": epoch + 1, "batches_done": 0, "history": history}, history[-1],
@@ -365,6 +391,7 @@ def train(
         torch_config=TorchConfig(backend="nccl" if the_plan.use_gpu else "gloo"),
         run_config=RunConfig(
             name="ray", storage_path=storage_path, storage_filesystem=filesystem,
+            worker_runtime_env={"env_vars": WORKER_ENV},
             checkpoint_config=CheckpointConfig(num_to_keep=2),
             failure_config=FailureConfig(max_failures=cfg.max_failures),
         ),

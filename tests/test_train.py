@@ -8,11 +8,11 @@ import time
 from pathlib import Path
 
 import psutil
-
 import pytest
 import torch
-from transformers import AutoModelForSequenceClassification, AutoTokenizer
+from transformers import AutoModelForSequenceClassification, AutoTokenizer, BertConfig, BertForSequenceClassification
 
+from conftest import read_jsonl, write_jsonl
 from tasks.config import DataConfig, TrainConfig
 from tasks.data import load_splits
 from tasks.tokenize import load_tokenizer, tokenize, tokenize_key
@@ -125,3 +125,33 @@ def test_rerun_of_a_run_resumes_from_its_stored_checkpoint(tokenized, tiny_model
     assert longer[1]["resumed_from_step"] == first[0]["step"] == 2048 // 16
     assert_model_is_the_trained_engine(Path(run_dir) / "model", uris, longer)
 
+
+
+@pytest.fixture(scope="module")
+def wide_model(tiny_model, tmp_path_factory) -> Path:
+    """A 27M-parameter BERT (hidden 512, 8 layers) on the tiny model's tokenizer: big enough that
+    model state, not the Python and torch runtime, decides a worker's memory."""
+    folder = tmp_path_factory.mktemp("wide-bert")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    config = BertConfig(vocab_size=tokenizer.vocab_size, hidden_size=512, num_hidden_layers=8, num_attention_heads=8,
+                        intermediate_size=2048, num_labels=2)
+    BertForSequenceClassification(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_zero3_holds_less_memory_per_worker_than_zero0(wide_model, small_data, tmp_path):
+    rows = {split: read_jsonl(small_data[split]) for split in ("train", "validation")}
+    splits = load_splits(DataConfig(
+        train_uri=str(write_jsonl(tmp_path / "train.jsonl", rows["train"][::32])),  # 64 rows: 4 steps
+        validation_uri=str(write_jsonl(tmp_path / "validation.jsonl", rows["validation"][::8])),
+        test_uri=str(small_data["test"]),
+    ))
+    uris = tokenize(tokenize_key(splits, load_tokenizer(str(wide_model)), 64, str(tmp_path)), splits, str(wide_model))
+    peak = {}
+    for stage in (0, 3):
+        # 4 workers on half a CPU each: ZeRO-3 keeps a quarter of the model state per worker.
+        cfg = TrainConfig(zero_stage=stage, epochs=1, batch_size=16, num_workers=4, cpus_per_worker=0.5)
+        peak[stage] = train(uris, str(wide_model), 64, LABELS, cfg, str(tmp_path / f"zero{stage}"))[-1]["peak_memory_mb"]
+    print(f"peak RSS per worker: ZeRO-0 {peak[0]:.0f} MiB, ZeRO-3 {peak[3]:.0f} MiB")
+    assert peak[3] < 0.9 * peak[0], peak

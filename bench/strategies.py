@@ -1,0 +1,226 @@
+"""Strategy benchmark: one model, one dataset, one global batch, trained every way ftflow offers.
+
+    python bench/strategies.py [--rows 960] [--batch-size 32] [--model PATH] [--only NAME ...]
+
+Baselines, measured in the same run on the same tokenized rows:
+  * `pytorch`: a bare single-process PyTorch loop (AdamW, all of the machine's CPUs), what a user
+    writes by hand;
+  * `ddp`: Ray Train with torch DistributedDataParallel and no DeepSpeed.
+Then ftflow's training task (DeepSpeed) at ZeRO 1, 2, 3 and 3 + parameter and optimizer offload.
+Every strategy gets the same data order source (seed 42), dynamic padding and global batch, and
+checkpoints once mid-run so the checkpoint's cost is measured too.
+
+Per strategy: steady-state samples/s (after the first batch, checkpoint excluded), its ratio to the
+bare loop, peak memory per worker (resident set on CPU, allocated on GPU), seconds from the training
+function's start (model load, engine build) to the end of the first step, seconds per checkpoint, and
+the whole wall time (Ray worker start-up, and for ftflow validation and model export, included).
+Prints a Markdown table for bench/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from functools import partial
+from multiprocessing import get_context
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tasks import cluster  # noqa: E402
+from tasks.config import DataConfig, ModelConfig, TrainConfig  # noqa: E402
+from tasks.data import load_splits  # noqa: E402
+from tasks.tokenize import load_tokenizer, tokenize, tokenize_key  # noqa: E402
+from tasks.train import collate, param_groups, read_tokenized, train  # noqa: E402
+
+LABELS = ["negative", "positive"]
+DEEPSPEED = {
+    "zero1": {"zero_stage": 1},
+    "zero2 (default)": {"zero_stage": 2},
+    "zero3": {"zero_stage": 3},
+    "zero3 + offload": {"zero_stage": 3, "offload_params": True, "offload_optimizer": True},
+}
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
+
+
+def hand_written_loop(model_path: str, rows: list[dict], micro_batch: int, steps_to_checkpoint: int,
+                      started: float, save: Callable[[dict], None], sampler=None) -> dict:
+    """The loop a user writes by hand: AdamW, linear warm-up/decay, clipping; optionally under DDP.
+
+    Returns steady-state samples/s of this process (after the first batch, checkpoint excluded),
+    seconds from `started` to the end of the first step, and seconds for one checkpoint."""
+    from torch.utils.data import DataLoader
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer, get_linear_schedule_with_warmup
+
+    torch.manual_seed(42)
+    pad = AutoTokenizer.from_pretrained(model_path).pad_token_id
+    loader = DataLoader(rows, batch_size=micro_batch, shuffle=sampler is None, sampler=sampler,
+                        collate_fn=collate(pad), generator=torch.Generator().manual_seed(42))
+    model = AutoModelForSequenceClassification.from_pretrained(model_path, num_labels=len(LABELS))
+    if sampler is not None:
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    optimizer = torch.optim.AdamW(param_groups(model), lr=1e-4, weight_decay=0.01)
+    schedule = get_linear_schedule_with_warmup(optimizer, max(1, len(loader) // 10), len(loader))
+    model.train()
+    samples, checkpoint_s = 0, 0.0
+    for i, batch in enumerate(loader):
+        loss = model(**batch).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad(set_to_none=True)
+        if i == 0:
+            first_step_s, steady_from = time.time() - started, time.perf_counter()
+            continue
+        samples += len(batch["labels"])
+        if i == steps_to_checkpoint:
+            checkpoint_started = time.perf_counter()
+            save({"model": model.state_dict(), "optimizer": optimizer.state_dict()})
+            checkpoint_s = time.perf_counter() - checkpoint_started
+    elapsed = time.perf_counter() - steady_from - checkpoint_s
+    return {"samples_per_s": samples / elapsed, "first_step_s": first_step_s, "checkpoint_s": checkpoint_s,
+            "peak_memory_mb": peak_rss_mb()}
+
+
+def baseline_process(model_path: str, train_uri: str, batch: int, threads: int, steps_to_checkpoint: int) -> dict:
+    started = time.time()
+    torch.set_num_threads(threads)
+    with tempfile.TemporaryDirectory() as folder:
+        def save(state: dict) -> None:
+            torch.save(state, f"{folder}/checkpoint.pt")
+
+        return hand_written_loop(model_path, read_tokenized(train_uri), batch, steps_to_checkpoint, started, save)
+
+
+def pytorch(*args) -> dict:
+    """In a fresh process: its own peak memory, and no Ray or Prefect threads beside it."""
+    with ProcessPoolExecutor(1, mp_context=get_context("spawn")) as pool:
+        return pool.submit(baseline_process, *args).result()
+
+
+def ddp_worker(config: dict) -> None:
+    import ray.train
+    from torch.utils.data import DistributedSampler
+
+    started = time.time()
+    torch.set_num_threads(config["threads"])
+    ctx = ray.train.get_context()
+    rows = read_tokenized(config["train_uri"])
+    sampler = DistributedSampler(rows, num_replicas=ctx.get_world_size(), rank=ctx.get_world_rank(), seed=42)
+    stats = hand_written_loop(config["model"], rows, config["micro_batch"], config["steps_to_checkpoint"],
+                              started, report_from_rank0, sampler)
+    totals = torch.tensor([stats["samples_per_s"], stats["peak_memory_mb"]], dtype=torch.float64)
+    torch.distributed.all_reduce(totals[:1])  # samples/s add up over workers
+    torch.distributed.all_reduce(totals[1:], op=torch.distributed.ReduceOp.MAX)
+    # Ray Train V2 keeps only metrics that come with a checkpoint: the last one carries the results.
+    report_from_rank0({}, stats | {"samples_per_s": totals[0].item(), "peak_memory_mb": totals[1].item()})
+
+
+def report_from_rank0(state: dict, metrics: dict | None = None) -> None:
+    """How a Ray Train DDP user checkpoints: rank 0 saves, every rank reports."""
+    import ray.train
+
+    rank0 = ray.train.get_context().get_world_rank() == 0
+    with tempfile.TemporaryDirectory() as folder:
+        if rank0:
+            torch.save(state, f"{folder}/checkpoint.pt")
+        ray.train.report(metrics or {}, checkpoint=ray.train.Checkpoint.from_directory(folder) if rank0 else None)
+
+
+def ddp(model_path: str, train_uri: str, batch: int, workers: int, steps_to_checkpoint: int) -> dict:
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    config = {"model": model_path, "train_uri": train_uri, "micro_batch": batch // workers, "threads": 1,
+              "steps_to_checkpoint": steps_to_checkpoint}
+    with tempfile.TemporaryDirectory() as storage:
+        trainer = TorchTrainer(ddp_worker, train_loop_config=config, torch_config=TorchConfig(backend="gloo"),
+                               scaling_config=ScalingConfig(num_workers=workers),
+                               run_config=RunConfig(storage_path=storage))
+        return trainer.fit().metrics
+
+
+def ftflow(model_path: str, uris: dict, max_length: int, batch: int, workers: int, steps_to_checkpoint: int,
+           options: dict, run_dir: str) -> dict:
+    cfg = TrainConfig(batch_size=batch, num_workers=workers, checkpoint_every_steps=steps_to_checkpoint, **options)
+    row = train(uris, model_path, max_length, LABELS, cfg, run_dir)[-1]
+    return {"samples_per_s": row["samples_per_s"], "first_step_s": row["startup_s"],
+            "checkpoint_s": row["checkpoint_s"], "peak_memory_mb": row["peak_memory_mb"]}
+
+
+def sample(split: str, rows: int, folder: Path) -> str:
+    """`rows` reviews spread evenly over the shipped split (it is sorted by label)."""
+    lines = (ROOT / "data" / "rotten_tomatoes" / f"{split}.jsonl").read_text().split("\n")[:-1]
+    path = folder / f"{split}.jsonl"
+    path.write_text("\n".join(lines[:: max(1, len(lines) // rows)][:rows]) + "\n")
+    return str(path)
+
+
+def tokenized_rows(model_path: str, max_length: int, rows: int, folder: Path) -> dict:
+    """Training rows and a small validation split, tokenized by ftflow's own stage."""
+    splits = load_splits(DataConfig(train_uri=sample("train", rows, folder), validation_uri=sample("validation", 64, folder),
+                                    test_uri=sample("test", 64, folder)))
+    return tokenize(tokenize_key(splits, load_tokenizer(model_path), max_length, str(folder)), splits, model_path)
+
+
+def table(results: dict[str, dict], baseline: str) -> str:
+    base = results[baseline]["samples_per_s"]
+    lines = ["| strategy | samples/s | vs bare PyTorch | peak memory per worker | time to first step | checkpoint | wall |",
+             "|---|---|---|---|---|---|---|"]
+    for name, r in results.items():
+        lines.append(f"| {name} | {r['samples_per_s']:.1f} | {r['samples_per_s'] / base:.2f} | {r['peak_memory_mb']:,.0f} MiB "
+                     f"| {r['first_step_s']:.1f} s | {r['checkpoint_s']:.1f} s | {r['wall_s']:.0f} s |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default=ModelConfig().name_or_path)
+    parser.add_argument("--rows", type=int, default=960, help="training rows (global batches x batch size)")
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--max-length", type=int, default=128)
+    parser.add_argument("--workers", type=int, default=2, help="Ray Train workers (1 CPU each)")
+    parser.add_argument("--only", nargs="*", help="strategies to run (default: all)")
+    args = parser.parse_args()
+
+    cluster.connect()
+    cpus = int(cluster.Resources.of_cluster().cpus)
+    steps = args.rows // args.batch_size
+    results: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        uris = tokenized_rows(args.model, args.max_length, args.rows, Path(tmp))
+        half = steps // 2  # every strategy checkpoints once, half-way
+        runs = {
+            "pytorch (baseline)": partial(pytorch, args.model, uris["train"], args.batch_size, cpus, half),
+            "ray train ddp": partial(ddp, args.model, uris["train"], args.batch_size, args.workers, half),
+        } | {
+            name: partial(ftflow, args.model, uris, args.max_length, args.batch_size, args.workers, half, options,
+                          f"{tmp}/runs/{i}")
+            for i, (name, options) in enumerate(DEEPSPEED.items())
+        }
+        for name, run in runs.items():
+            if args.only and not any(name.startswith(o) for o in args.only):
+                continue
+            started = time.perf_counter()
+            results[name] = run() | {"wall_s": time.perf_counter() - started}
+            print(f"RESULT {name}: {json.dumps(results[name])}", flush=True)
+    print(f"\n{args.model}, {args.rows} rows, global batch {args.batch_size}, {args.workers} workers x 1 CPU"
+          f" (baseline: 1 process x {cpus} threads), max length {args.max_length}\n")
+    print(table(results, next(iter(results))))
+
+
+if __name__ == "__main__":
+    main()
