@@ -1,14 +1,16 @@
 """Strategy benchmark: one model, one dataset, one global batch, trained every way ftflow offers.
 
-    python bench/strategies.py [--rows 960] [--batch-size 32] [--model PATH] [--only NAME ...]
+    python bench/strategies.py [--rows 960] [--batch-size 32] [--workers 2] [--cpus-per-worker 1]
+                               [--model PATH] [--only NAME ...]
 
 Baselines, measured in the same run on the same tokenized rows:
-  * `pytorch`: a bare single-process PyTorch loop (AdamW, all of the machine's CPUs), what a user
-    writes by hand;
-  * `ddp`: Ray Train with torch DistributedDataParallel and no DeepSpeed.
-Then ftflow's training task (DeepSpeed) at ZeRO 1, 2, 3 and 3 + parameter and optimizer offload.
-Every strategy gets the same data order source (seed 42), dynamic padding and global batch, and
-checkpoints once mid-run so the checkpoint's cost is measured too.
+  * `pytorch`: a bare single-process PyTorch loop (torch.optim.AdamW as most hand-written loops
+    create it, all of the machine's CPUs), and the same loop with `fused=True`;
+  * `ray train ddp`: Ray Train with torch DistributedDataParallel and no DeepSpeed.
+Then ftflow's training task (DeepSpeed) at ZeRO 0 (the default: no partitioning), 1, 2, 3, and 3 +
+parameter and optimizer offload. Every strategy sees the same global batches in the same order
+(DistributedSampler, seed 42), dynamic padding, and checkpoints mid-run so the checkpoint's cost
+is measured too.
 
 Per strategy: steady-state samples/s (after the first batch, checkpoint excluded), its ratio to the
 bare loop, peak memory per worker (resident set on CPU, allocated on GPU), seconds from the training
@@ -44,8 +46,9 @@ from tasks.train import collate, param_groups, read_tokenized, train  # noqa: E4
 
 LABELS = ["negative", "positive"]
 DEEPSPEED = {
+    "zero0 (default)": {"zero_stage": 0},
     "zero1": {"zero_stage": 1},
-    "zero2 (default)": {"zero_stage": 2},
+    "zero2": {"zero_stage": 2},
     "zero3": {"zero_stage": 3},
     "zero3 + offload": {"zero_stage": 3, "offload_params": True, "offload_optimizer": True},
 }
@@ -56,22 +59,25 @@ def peak_rss_mb() -> float:
 
 
 def hand_written_loop(model_path: str, rows: list[dict], micro_batch: int, steps_to_checkpoint: int,
-                      started: float, save: Callable[[dict], None], sampler=None) -> dict:
-    """The loop a user writes by hand: AdamW, linear warm-up/decay, clipping; optionally under DDP.
+                      started: float, save: Callable[[dict], None], world: tuple[int, int] = (1, 0),
+                      fused: bool = False) -> dict:
+    """The loop a user writes by hand: AdamW, linear warm-up/decay, clipping; under DDP when the
+    world (size, rank) has more than one process. Batches come in ftflow's order (DistributedSampler,
+    seed 42): the same global batches, so the same padding, as every other strategy.
 
     Returns steady-state samples/s of this process (after the first batch, checkpoint excluded),
     seconds from `started` to the end of the first step, and seconds for one checkpoint."""
-    from torch.utils.data import DataLoader
+    from torch.utils.data import DataLoader, DistributedSampler
     from transformers import AutoModelForSequenceClassification, AutoTokenizer, get_linear_schedule_with_warmup
 
     torch.manual_seed(42)
     pad = AutoTokenizer.from_pretrained(model_path).pad_token_id
-    loader = DataLoader(rows, batch_size=micro_batch, shuffle=sampler is None, sampler=sampler,
-                        collate_fn=collate(pad), generator=torch.Generator().manual_seed(42))
+    sampler = DistributedSampler(rows, num_replicas=world[0], rank=world[1], seed=42)
+    loader = DataLoader(rows, batch_size=micro_batch, sampler=sampler, collate_fn=collate(pad))
     model = AutoModelForSequenceClassification.from_pretrained(model_path, num_labels=len(LABELS))
-    if sampler is not None:
+    if world[0] > 1:
         model = torch.nn.parallel.DistributedDataParallel(model)
-    optimizer = torch.optim.AdamW(param_groups(model), lr=1e-4, weight_decay=0.01)
+    optimizer = torch.optim.AdamW(param_groups(model), lr=1e-4, weight_decay=0.01, fused=fused)
     schedule = get_linear_schedule_with_warmup(optimizer, max(1, len(loader) // 10), len(loader))
     model.train()
     samples, checkpoint_s = 0, 0.0
@@ -95,14 +101,16 @@ def hand_written_loop(model_path: str, rows: list[dict], micro_batch: int, steps
             "peak_memory_mb": peak_rss_mb()}
 
 
-def baseline_process(model_path: str, train_uri: str, batch: int, threads: int, steps_to_checkpoint: int) -> dict:
+def baseline_process(model_path: str, train_uri: str, batch: int, threads: int, steps_to_checkpoint: int,
+                     fused: bool) -> dict:
     started = time.time()
     torch.set_num_threads(threads)
     with tempfile.TemporaryDirectory() as folder:
         def save(state: dict) -> None:
             torch.save(state, f"{folder}/checkpoint.pt")
 
-        return hand_written_loop(model_path, read_tokenized(train_uri), batch, steps_to_checkpoint, started, save)
+        return hand_written_loop(model_path, read_tokenized(train_uri), batch, steps_to_checkpoint, started, save,
+                                 fused=fused)
 
 
 def pytorch(*args) -> dict:
@@ -113,15 +121,13 @@ def pytorch(*args) -> dict:
 
 def ddp_worker(config: dict) -> None:
     import ray.train
-    from torch.utils.data import DistributedSampler
 
     started = time.time()
     torch.set_num_threads(config["threads"])
     ctx = ray.train.get_context()
-    rows = read_tokenized(config["train_uri"])
-    sampler = DistributedSampler(rows, num_replicas=ctx.get_world_size(), rank=ctx.get_world_rank(), seed=42)
-    stats = hand_written_loop(config["model"], rows, config["micro_batch"], config["steps_to_checkpoint"],
-                              started, report_from_rank0, sampler)
+    stats = hand_written_loop(config["model"], read_tokenized(config["train_uri"]), config["micro_batch"],
+                              config["steps_to_checkpoint"], started, report_from_rank0,
+                              (ctx.get_world_size(), ctx.get_world_rank()))
     totals = torch.tensor([stats["samples_per_s"], stats["peak_memory_mb"]], dtype=torch.float64)
     torch.distributed.all_reduce(totals[:1])  # samples/s add up over workers
     torch.distributed.all_reduce(totals[1:], op=torch.distributed.ReduceOp.MAX)
@@ -140,22 +146,23 @@ def report_from_rank0(state: dict, metrics: dict | None = None) -> None:
         ray.train.report(metrics or {}, checkpoint=ray.train.Checkpoint.from_directory(folder) if rank0 else None)
 
 
-def ddp(model_path: str, train_uri: str, batch: int, workers: int, steps_to_checkpoint: int) -> dict:
+def ddp(model_path: str, train_uri: str, batch: int, workers: int, cpus_per_worker: int, steps_to_checkpoint: int) -> dict:
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    config = {"model": model_path, "train_uri": train_uri, "micro_batch": batch // workers, "threads": 1,
+    config = {"model": model_path, "train_uri": train_uri, "micro_batch": batch // workers, "threads": cpus_per_worker,
               "steps_to_checkpoint": steps_to_checkpoint}
     with tempfile.TemporaryDirectory() as storage:
         trainer = TorchTrainer(ddp_worker, train_loop_config=config, torch_config=TorchConfig(backend="gloo"),
-                               scaling_config=ScalingConfig(num_workers=workers),
+                               scaling_config=ScalingConfig(num_workers=workers, resources_per_worker={"CPU": cpus_per_worker}),
                                run_config=RunConfig(storage_path=storage))
         return trainer.fit().metrics
 
 
-def ftflow(model_path: str, uris: dict, max_length: int, batch: int, workers: int, steps_to_checkpoint: int,
-           options: dict, run_dir: str) -> dict:
-    cfg = TrainConfig(batch_size=batch, num_workers=workers, checkpoint_every_steps=steps_to_checkpoint, **options)
+def ftflow(model_path: str, uris: dict, max_length: int, batch: int, workers: int, cpus_per_worker: int,
+           steps_to_checkpoint: int, options: dict, run_dir: str) -> dict:
+    cfg = TrainConfig(batch_size=batch, num_workers=workers, cpus_per_worker=cpus_per_worker,
+                      checkpoint_every_steps=steps_to_checkpoint, **options)
     row = train(uris, model_path, max_length, LABELS, cfg, run_dir)[-1]
     return {"samples_per_s": row["samples_per_s"], "first_step_s": row["startup_s"],
             "checkpoint_s": row["checkpoint_s"], "peak_memory_mb": row["peak_memory_mb"]}
@@ -192,7 +199,8 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=960, help="training rows (global batches x batch size)")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--max-length", type=int, default=128)
-    parser.add_argument("--workers", type=int, default=2, help="Ray Train workers (1 CPU each)")
+    parser.add_argument("--workers", type=int, default=2, help="Ray Train workers")
+    parser.add_argument("--cpus-per-worker", type=int, default=1)
     parser.add_argument("--only", nargs="*", help="strategies to run (default: all)")
     args = parser.parse_args()
 
@@ -204,10 +212,11 @@ def main() -> None:
         uris = tokenized_rows(args.model, args.max_length, args.rows, Path(tmp))
         half = steps // 2  # every strategy checkpoints once, half-way
         runs = {
-            "pytorch (baseline)": partial(pytorch, args.model, uris["train"], args.batch_size, cpus, half),
-            "ray train ddp": partial(ddp, args.model, uris["train"], args.batch_size, args.workers, half),
+            "pytorch (baseline)": partial(pytorch, args.model, uris["train"], args.batch_size, cpus, half, False),
+            "pytorch, fused adamw": partial(pytorch, args.model, uris["train"], args.batch_size, cpus, half, True),
+            "ray train ddp": partial(ddp, args.model, uris["train"], args.batch_size, args.workers, args.cpus_per_worker, half),
         } | {
-            name: partial(ftflow, args.model, uris, args.max_length, args.batch_size, args.workers, half, options,
+            name: partial(ftflow, args.model, uris, args.max_length, args.batch_size, args.workers, args.cpus_per_worker, half, options,
                           f"{tmp}/runs/{i}")
             for i, (name, options) in enumerate(DEEPSPEED.items())
         }
@@ -217,7 +226,7 @@ def main() -> None:
             started = time.perf_counter()
             results[name] = run() | {"wall_s": time.perf_counter() - started}
             print(f"RESULT {name}: {json.dumps(results[name])}", flush=True)
-    print(f"\n{args.model}, {args.rows} rows, global batch {args.batch_size}, {args.workers} workers x 1 CPU"
+    print(f"\n{args.model}, {args.rows} rows, global batch {args.batch_size}, {args.workers} workers x {args.cpus_per_worker} CPU"
           f" (baseline: 1 process x {cpus} threads), max length {args.max_length}\n")
     print(table(results, next(iter(results))))
 

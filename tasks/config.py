@@ -66,7 +66,11 @@ class TrainConfig(BaseModel):
 
     num_workers: int | None = Field(None, ge=1, description="Ray Train workers; default: one per GPU, else one per cpus_per_worker CPUs.")
     cpus_per_worker: float = Field(1, gt=0, description="CPUs per worker (torch threads: its whole part, at least 1).")
-    zero_stage: Literal[0, 1, 2, 3] = Field(2, description="DeepSpeed ZeRO: 1 shards optimizer state, 2 also gradients, 3 also parameters.")
+    zero_stage: Literal[0, 1, 2, 3] = Field(
+        0,
+        description="DeepSpeed ZeRO: 0 replicates the model (fastest while it fits: 16 bytes per fp32 parameter); "
+                    "1 shards optimizer state, 2 also gradients, 3 also parameters (less memory, slower).",
+    )
     offload_optimizer: bool = Field(False, description="Keep optimizer state in CPU memory (DeepSpeedCPUAdam); ZeRO 1-3.")
     offload_params: bool = Field(False, description="Keep parameters in CPU memory between uses; ZeRO 3 only.")
     activation_checkpointing: bool = Field(False, description="Recompute activations in the backward pass instead of storing them.")

@@ -15,7 +15,7 @@ LAPTOP, GPU_NODE = Resources(cpus=2, gpus=0), Resources(cpus=16, gpus=2)
 def test_defaults_fit_the_machine_with_no_accumulation():
     p = plan(TrainConfig(), LAPTOP)
     assert (p.workers, p.micro_batch, p.accumulation, p.use_gpu, p.precision) == (2, 16, 1, False, "fp32")
-    assert p.describe(TrainConfig()) == "2 CPU worker(s) x micro-batch 16 x accumulation 1 = global batch 32, ZeRO-2, fp32"
+    assert p.describe(TrainConfig()) == "2 CPU worker(s) x micro-batch 16 x accumulation 1 = global batch 32, ZeRO-0, fp32"
 
 
 def test_accumulation_is_what_the_global_batch_leaves_over():
