@@ -22,6 +22,10 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 from tasks import cluster, storage
 from tasks.data import DataError, expand_inputs, iter_frames
 
+# Written into the output folder after every prediction file, so a reader can tell a complete
+# result from the remains of a failed or interrupted job (Parquet readers skip "_" files).
+MARKER = "_SUCCESS.json"
+
 
 def local_model(model_uri: str) -> str:
     """A local folder holding the model: the path itself, or a download of a remote one."""
@@ -89,14 +93,13 @@ def predict_files(
     batch_size: int = 64,
     ray_address: str | None = None,
 ) -> dict:
-    """Label every row of every file under input_uri; Parquet (id, text, label, score) at output_uri."""
+    """Label every row of every file under input_uri; Parquet (id, text, label, score) at output_uri,
+    complete once output_uri/_SUCCESS.json exists (rows, input and model fingerprints)."""
     files = expand_inputs(input_uri)
     base = os.path.commonpath(files) if len(files) > 1 else ""
     cluster.connect(ray_address)
     actors, cpus, gpus = cluster.Resources.of_cluster().inference_actors()
-    fs, path = storage.filesystem(output_uri)
-    if fs.exists(path):  # a re-run replaces the old output instead of mixing with it
-        fs.rm(path, recursive=True)
+    clear_output(output_uri)
     out_path, out_fs = storage.pyarrow_filesystem(output_uri)
     (
         ray.data.from_items([{"uri": f} for f in files], override_num_blocks=len(files))
@@ -113,5 +116,23 @@ def predict_files(
         .write_parquet(out_path, filesystem=out_fs)
     )
     rows = pyarrow.dataset.dataset(out_path, filesystem=out_fs, format="parquet").count_rows()
+    storage.write_json(storage.join(output_uri, MARKER), {
+        "rows": rows,
+        "inputs": {uri: storage.fingerprint(uri) for uri in files},
+        "model": {"uri": model_uri, "fingerprint": storage.fingerprint(model_uri)},
+        "text_column": text_column,
+        "id_column": id_column,
+    })
     get_run_logger().info("labelled %d rows from %d file(s) into %s", rows, len(files), output_uri)
     return {"output_uri": output_uri, "rows": rows, "files": len(files)}
+
+
+def clear_output(output_uri: str) -> None:
+    """A re-run replaces what a previous job left, complete or not, instead of mixing with it; the
+    marker goes first, so no reader ever sees it beside a half-deleted output."""
+    fs, path = storage.filesystem(output_uri)
+    marker = storage.filesystem(storage.join(output_uri, MARKER))[1]
+    if fs.exists(marker):
+        fs.rm(marker)
+    if fs.exists(path):
+        fs.rm(path, recursive=True)

@@ -4,7 +4,7 @@
     <root>/runs/<run_id>/train/                        Ray Train checkpoints
     <root>/runs/<run_id>/model/                        consolidated Hugging Face model folder
     <root>/runs/<run_id>/metrics.json
-    <root>/runs/<run_id>/predictions/*.parquet
+    <root>/runs/<run_id>/predictions/*.parquet, _SUCCESS.json written last: no marker, no result
     <root>/runs/<run_id>/manifest.json                 written last: no manifest, no result
 
 S3 endpoint and credentials come from the environment (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...)
@@ -70,6 +70,15 @@ def sha256(uri: str) -> str:
         while chunk := f.read(1 << 20):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def fingerprint(uri: str) -> str:
+    """A cheap identity of a file's or folder's current content: fsspec's ukey (the ETag and
+    modification time on S3, size and mtime locally) of every file. Hashing every byte of a corpus
+    would read it a second time."""
+    fs, path = filesystem(uri)
+    files = sorted(fs.find(path)) if fs.isdir(path) else [path]
+    return hashlib.sha256("".join(f"{os.path.relpath(f, path)}={fs.ukey(f)};" for f in files).encode()).hexdigest()
 
 
 def upload_dir(local_dir: str | Path, uri: str) -> None:

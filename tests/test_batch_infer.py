@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import json
+
 import pandas as pd
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 from conftest import write_jsonl
 from flows.batch_infer import batch_infer
+from tasks import storage
 from tasks.data import DataError
+from tasks.infer import MARKER
 
 
 @pytest.fixture
@@ -30,6 +35,27 @@ def test_every_row_of_every_file_gets_one_prediction(ray_cluster, tiny_model, co
     expected |= {f"c.parquet:{i}": f"plot {i}" for i in range(100)}
     assert table.index.is_unique and table["text"].to_dict() == expected
     assert set(table["label"]) <= {"LABEL_0", "LABEL_1"}
+    marker = json.loads((tmp_path / "predictions" / MARKER).read_text())
+    assert marker["rows"] == 600 and marker["model"]["fingerprint"] == storage.fingerprint(str(tiny_model))
+    assert marker["inputs"] == {str(p): storage.fingerprint(str(p)) for p in (corpus / "a.jsonl", corpus / "c.parquet",
+                                                                              corpus / "sub" / "b.csv")}
+
+
+def test_failed_job_leaves_no_marker_and_a_rerun_replaces_its_remains(ray_cluster, tiny_model, corpus, tmp_path):
+    out_dir = tmp_path / "predictions"
+    batch_infer(str(tiny_model), str(corpus), str(out_dir))
+    pd.DataFrame({"review": ["a file without the text column"]}).to_parquet(corpus / "d.parquet")
+    with pytest.raises(Exception, match="column 'text' not found"):
+        batch_infer(str(tiny_model), str(corpus), str(out_dir))
+    assert not (out_dir / MARKER).exists(), "the failed job's output could pass for complete"
+
+    (corpus / "d.parquet").unlink()
+    out_dir.mkdir(exist_ok=True)
+    pq.write_table(pa.table({"id": ["stale"]}), out_dir / "part-of-a-killed-writer.parquet")
+    batch_infer(str(tiny_model), str(corpus), str(out_dir))
+    ids = pq.read_table(out_dir).column("id").to_pylist()
+    assert len(ids) == len(set(ids)) == 600 and "stale" not in ids
+    assert json.loads((out_dir / MARKER).read_text())["rows"] == 600
 
 
 def test_id_column_and_rerun_replaces_output(ray_cluster, tiny_model, corpus, tmp_path):

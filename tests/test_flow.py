@@ -16,7 +16,7 @@ from flows.finetune import finetune
 from tasks import storage
 from tasks.config import DataConfig, FinetuneParams, ModelConfig, TrainConfig
 from tasks.data import DataError
-from tasks.infer import local_model
+from tasks.infer import MARKER, local_model
 
 
 def params(tiny_model, data: dict, root: str) -> FinetuneParams:
@@ -54,6 +54,7 @@ def check_run(run_dir: str, summary: dict, data: dict) -> dict:
     assert set(predictions.columns) == {"id", "text", "label", "score"}
     assert sorted(predictions["id"]) == sorted(f"test.jsonl:{i}" for i in range(128))
     assert set(predictions["label"]) <= {"negative", "positive"} and predictions["score"].between(0.5, 1).all()
+    assert storage.read_json(storage.join(run_dir, "predictions", MARKER))["rows"] == 128
     return manifest
 
 
