@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import json
+import re
+import time
 
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, LogFilter, LogFilterFlowRunId
 
 from conftest import write_jsonl
 from flows.batch_infer import batch_infer
-from tasks import storage
+from tasks import infer, storage
 from tasks.data import DataError
 from tasks.infer import MARKER
 
@@ -26,9 +30,28 @@ def corpus(tmp_path):
     return folder
 
 
-def test_every_row_of_every_file_gets_one_prediction(ray_cluster, tiny_model, corpus, tmp_path):
-    out = batch_infer(str(tiny_model), str(corpus), str(tmp_path / "predictions"))
+def prefect_records(flow_run_id) -> tuple[list[str], set[str]]:
+    """The flow run's log messages and artifact keys, as the Prefect UI shows them; log records are
+    shipped in the background, so wait for the final one."""
+    with get_client(sync_client=True) as client:
+        for _ in range(40):
+            logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
+            if any("rows/s)" in log.message for log in logs):
+                break
+            time.sleep(0.5)
+        artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
+    return [log.message for log in logs], {a.key for a in artifacts}
+
+
+def test_every_row_of_every_file_gets_one_prediction(ray_cluster, tiny_model, corpus, tmp_path, monkeypatch):
+    monkeypatch.setattr(infer, "PROGRESS_EVERY_S", 0.5)
+    state = batch_infer(str(tiny_model), str(corpus), str(tmp_path / "predictions"), return_state=True)
+    out = state.result()
     assert out == {"output_uri": str(tmp_path / "predictions"), "rows": 600, "files": 3}
+    messages, artifacts = prefect_records(state.state_details.flow_run_id)
+    assert any(re.fullmatch(r"labelled [\d,]+ / (600|>= [\d,]+ \(\d/3 files read\)) rows, \d+ rows/s", m) for m in messages)
+    assert any(m.startswith("labelled 600 rows from 3 file(s)") for m in messages)
+    assert "batch-inference-throughput" in artifacts
     table = pq.read_table(tmp_path / "predictions").to_pandas().set_index("id")
     expected = {f"a.jsonl:{i}": f"review {i} was good" for i in range(300)}
     expected |= {f"sub/b.csv:{i}": f"film {i} bored me" for i in range(200)}
