@@ -1,0 +1,100 @@
+"""Batch inference benchmark: ftflow's `predict_files` against a plain transformers loop.
+
+    python bench/inference.py [--rows 10000 100000] [--model tiny|minilm|PATH] [--files 16]
+
+The corpus is short Rotten Tomatoes reviews (repeated, each row numbered) in `--files` JSONL files.
+The baseline is the loop a user writes by hand: one process with all of the machine's CPUs, the
+same model, batches of 64 rows in file order (no sorting), `torch.no_grad()`, fp32. Both are
+timed from the first file read to the last prediction written (the baseline keeps predictions in
+memory: it writes nothing). Prints a Markdown table for bench/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+
+from tasks import cluster  # noqa: E402
+from tasks.config import ModelConfig  # noqa: E402
+from tasks.data import iter_frames  # noqa: E402
+from tasks.infer import predict_files  # noqa: E402
+from tiny_model import make_tiny_bert  # noqa: E402
+
+BATCH = 64
+
+
+def write_corpus(rows: int, files: int, folder: Path) -> list[Path]:
+    texts = [json.loads(line)["text"] for line in (ROOT / "data/rotten_tomatoes/train.jsonl").read_text().split("\n") if line]
+    per_file = -(-rows // files)
+    paths = []
+    for f in range(files):
+        start, stop = f * per_file, min(rows, (f + 1) * per_file)
+        path = folder / f"part-{f:04d}.jsonl"
+        path.write_text("".join(json.dumps({"text": f"{i}: {texts[i % len(texts)]}"}) + "\n" for i in range(start, stop)))
+        paths.append(path)
+    return paths
+
+
+def plain_loop(model_path: str, files: list[Path]) -> int:
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    model = AutoModelForSequenceClassification.from_pretrained(model_path).eval()
+    labelled = []
+    with torch.no_grad():
+        for path in files:
+            for frame in iter_frames(str(path)):
+                texts = frame["text"].tolist()
+                for i in range(0, len(texts), BATCH):
+                    encoded = tokenizer(texts[i : i + BATCH], padding=True, truncation=True, return_tensors="pt")
+                    labelled.extend(model(**encoded).logits.argmax(-1).tolist())
+    return len(labelled)
+
+
+def timed(run) -> tuple[int, float]:
+    started = time.perf_counter()
+    rows = run()
+    return rows, time.perf_counter() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[10_000, 100_000])
+    parser.add_argument("--model", default="tiny", help="tiny (the tests' 2-layer BERT), minilm, or a model folder")
+    parser.add_argument("--files", type=int, default=16)
+    args = parser.parse_args()
+
+    cluster.connect()
+    lines = ["| model | rows | plain loop rows/s | ftflow rows/s | ftflow / plain | ftflow seconds |", "|---|---|---|---|---|---|"]
+    with tempfile.TemporaryDirectory() as tmp:
+        model = {"minilm": ModelConfig().name_or_path}.get(args.model, args.model)
+        if model == "tiny":
+            texts = [json.loads(line)["text"] for line in (ROOT / "data/rotten_tomatoes/train.jsonl").read_text().split("\n") if line]
+            model = str(make_tiny_bert(texts, Path(tmp) / "tiny-bert"))
+        for rows in args.rows:
+            corpus = Path(tmp) / f"corpus-{rows}"
+            corpus.mkdir()
+            files = write_corpus(rows, args.files, corpus)
+            plain_rows, plain_s = timed(lambda: plain_loop(model, files))
+            out = str(Path(tmp) / f"out-{rows}")
+            ftflow_rows, ftflow_s = timed(lambda: predict_files(model, str(corpus), out, batch_size=BATCH)["rows"])
+            assert plain_rows == ftflow_rows == rows == len(pd.read_parquet(out)), (plain_rows, ftflow_rows, rows)
+            print(f"RESULT {args.model} {rows}: plain {rows / plain_s:.0f} rows/s, ftflow {rows / ftflow_s:.0f} rows/s", flush=True)
+            lines.append(f"| {args.model} | {rows:,} | {rows / plain_s:,.0f} | {rows / ftflow_s:,.0f} | {plain_s / ftflow_s:.2f} "
+                         f"| {ftflow_s:.0f} s |")
+    print(f"\n{args.files} JSONL files, batch size {BATCH}, {cluster.Resources.of_cluster().cpus:.0f} CPUs\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
