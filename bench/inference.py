@@ -33,8 +33,12 @@ from tiny_model import make_tiny_bert  # noqa: E402
 BATCH = 64
 
 
+def review_texts() -> list[str]:
+    return [json.loads(line)["text"] for line in (ROOT / "data/rotten_tomatoes/train.jsonl").read_text().split("\n") if line]
+
+
 def write_corpus(rows: int, files: int, folder: Path) -> list[Path]:
-    texts = [json.loads(line)["text"] for line in (ROOT / "data/rotten_tomatoes/train.jsonl").read_text().split("\n") if line]
+    texts = review_texts()
     per_file = -(-rows // files)
     paths = []
     for f in range(files):
@@ -79,7 +83,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model = {"minilm": ModelConfig().name_or_path}.get(args.model, args.model)
         if model == "tiny":
-            texts = [json.loads(line)["text"] for line in (ROOT / "data/rotten_tomatoes/train.jsonl").read_text().split("\n") if line]
+            texts = review_texts()
             model = str(make_tiny_bert(texts, Path(tmp) / "tiny-bert"))
         for rows in args.rows:
             corpus = Path(tmp) / f"corpus-{rows}"
