@@ -60,8 +60,15 @@ def read_frame(uri: str, fmt: str = "auto") -> pd.DataFrame:
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
 
 
-def expand_inputs(uri: str) -> list[str]:
-    """A file, a directory (every data file under it) or a glob, as a sorted list of URIs."""
+def expand_inputs(uris: str | list[str]) -> list[str]:
+    """Files, directories (every data file under them) or globs, as one sorted list of file URIs."""
+    uris = [uris] if isinstance(uris, str) else uris
+    if not uris:
+        raise DataError("no inputs given: name at least one file, directory or glob")
+    return sorted({found for uri in uris for found in _expand(uri)})
+
+
+def _expand(uri: str) -> list[str]:
     fs, path = storage.filesystem(uri)
     protocol = uri.split("://")[0] + "://" if storage.is_remote(uri) else ""
     if fs.isdir(path):
@@ -72,7 +79,7 @@ def expand_inputs(uri: str) -> list[str]:
         found = [path] if fs.exists(path) else []
     if not found:
         raise DataError(f"{uri}: no input files found")
-    return [protocol + p for p in sorted(found)]
+    return [protocol + p for p in found]
 
 
 @dataclass(frozen=True)

@@ -145,7 +145,7 @@ def predict_files(
                 num_cpus=cpus,
                 num_gpus=gpus,
             )
-            .write_parquet(out_path, filesystem=out_fs)
+            .write_parquet(out_path, filesystem=out_fs, ray_remote_args={"num_cpus": cluster.READ_CPUS})
         )
     seconds = time.perf_counter() - started
     rows = pyarrow.dataset.dataset(out_path, filesystem=out_fs, format="parquet").count_rows()
