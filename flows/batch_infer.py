@@ -2,20 +2,26 @@
 
 from __future__ import annotations
 
-from prefect import flow
+from typing import Annotated
 
-from tasks.infer import predict_files
+from prefect import flow
+from pydantic import Field
+
+from tasks.infer import WINDOW_ROWS, predict_files
 
 
 @flow(name="batch_infer")
 def batch_infer(
     model_uri: str,
-    input_uri: str,
+    input_uri: str | list[str],
     output_uri: str,
     text_column: str = "text",
     id_column: str | None = None,
-    batch_size: int = 64,
+    batch_size: Annotated[int, Field(ge=1)] = 64,
+    window_rows: Annotated[
+        int, Field(ge=1, description="Rows sorted by length and labelled together: with batch_size, bounds memory per actor.")
+    ] = WINDOW_ROWS,
     ray_address: str | None = None,
 ) -> dict:
-    """Label every row under input_uri (file, directory or glob; local or s3://) with model_uri."""
-    return predict_files(model_uri, input_uri, output_uri, text_column, id_column, batch_size, ray_address)
+    """Label every row of the input files (files, directories or globs; local or s3://) with model_uri."""
+    return predict_files(model_uri, input_uri, output_uri, text_column, id_column, batch_size, ray_address, window_rows)

@@ -72,6 +72,11 @@ def sha256(uri: str) -> str:
     return digest.hexdigest()
 
 
+def size(uri: str) -> int:
+    fs, path = filesystem(uri)
+    return fs.size(path)
+
+
 def fingerprint(uri: str) -> str:
     """A cheap identity of a file's or folder's current content: fsspec's ukey (the ETag and
     modification time on S3, size and mtime locally) of every file. Hashing every byte of a corpus
