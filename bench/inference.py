@@ -1,12 +1,14 @@
 """Batch inference benchmark: ftflow's `predict_files` against a plain transformers loop.
 
-    python bench/inference.py [--rows 10000 100000] [--model tiny|minilm|PATH] [--files 16]
+    python bench/inference.py [--rows 10000 100000 1000000] [--model tiny|minilm|PATH] [--files 16]
 
 The corpus is short Rotten Tomatoes reviews (repeated, each row numbered) in `--files` JSONL files.
 The baseline is the loop a user writes by hand: one process with all of the machine's CPUs, the
 same model, batches of 64 rows in file order (no sorting), `torch.no_grad()`, fp32. Both are
 timed from the first file read to the last prediction written (the baseline keeps predictions in
-memory: it writes nothing). Prints a Markdown table for bench/RESULTS.md.
+memory: it writes nothing). While ftflow runs, the resident memory of every Ray worker process is
+sampled: its peak shows what bounds memory (window and batch size, not the corpus size). Prints a
+Markdown table for bench/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -15,10 +17,13 @@ import argparse
 import json
 import sys
 import tempfile
+import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pandas as pd
+import psutil
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,6 +70,26 @@ def plain_loop(model_path: str, files: list[Path]) -> int:
     return len(labelled)
 
 
+@contextmanager
+def peak_ray_worker_rss() -> dict:
+    """{"mib": peak resident memory of any one Ray worker process}, sampled every 0.2 s."""
+    peak, stop = {"mib": 0.0}, threading.Event()
+
+    def sample() -> None:
+        while not stop.wait(0.2):
+            for proc in psutil.process_iter(["cmdline", "memory_info"]):
+                if proc.info["cmdline"] and proc.info["cmdline"][0].startswith("ray::") and proc.info["memory_info"]:
+                    peak["mib"] = max(peak["mib"], proc.info["memory_info"].rss / 2**20)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        yield peak
+    finally:
+        stop.set()
+        sampler.join()
+
+
 def timed(run) -> tuple[int, float]:
     started = time.perf_counter()
     rows = run()
@@ -73,13 +98,14 @@ def timed(run) -> tuple[int, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rows", type=int, nargs="+", default=[10_000, 100_000])
+    parser.add_argument("--rows", type=int, nargs="+", default=[10_000, 100_000, 1_000_000])
     parser.add_argument("--model", default="tiny", help="tiny (the tests' 2-layer BERT), minilm, or a model folder")
     parser.add_argument("--files", type=int, default=16)
     args = parser.parse_args()
 
     cluster.connect()
-    lines = ["| model | rows | plain loop rows/s | ftflow rows/s | ftflow / plain | ftflow seconds |", "|---|---|---|---|---|---|"]
+    lines = ["| model | rows | plain loop rows/s | ftflow rows/s | ftflow / plain | ftflow seconds | peak RSS per Ray worker |",
+             "|---|---|---|---|---|---|---|"]
     with tempfile.TemporaryDirectory() as tmp:
         model = {"minilm": ModelConfig().name_or_path}.get(args.model, args.model)
         if model == "tiny":
@@ -91,11 +117,12 @@ def main() -> None:
             files = write_corpus(rows, args.files, corpus)
             plain_rows, plain_s = timed(lambda: plain_loop(model, files))
             out = str(Path(tmp) / f"out-{rows}")
-            ftflow_rows, ftflow_s = timed(lambda: predict_files(model, str(corpus), out, batch_size=BATCH)["rows"])
+            with peak_ray_worker_rss() as peak:
+                ftflow_rows, ftflow_s = timed(lambda: predict_files(model, str(corpus), out, batch_size=BATCH)["rows"])
             assert plain_rows == ftflow_rows == rows == len(pd.read_parquet(out)), (plain_rows, ftflow_rows, rows)
             print(f"RESULT {args.model} {rows}: plain {rows / plain_s:.0f} rows/s, ftflow {rows / ftflow_s:.0f} rows/s", flush=True)
             lines.append(f"| {args.model} | {rows:,} | {rows / plain_s:,.0f} | {rows / ftflow_s:,.0f} | {plain_s / ftflow_s:.2f} "
-                         f"| {ftflow_s:.0f} s |")
+                         f"| {ftflow_s:.0f} s | {peak['mib']:,.0f} MiB |")
     print(f"\n{args.files} JSONL files, batch size {BATCH}, {cluster.Resources.of_cluster().cpus:.0f} CPUs\n")
     print("\n".join(lines))
 

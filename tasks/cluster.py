@@ -7,8 +7,9 @@ from dataclasses import dataclass
 
 import ray
 
-# Ray Data's read tasks are I/O bound: a quarter CPU each leaves whole CPUs to model workers, so an
-# actor pool as large as the cluster cannot starve the reads that feed it (a deadlock otherwise).
+# Ray Data's read and write tasks are I/O bound: a quarter CPU each leaves whole CPUs to model
+# workers, so an actor pool as large as the cluster cannot starve the reads that feed it (a
+# deadlock otherwise) nor the writes that drain it.
 READ_CPUS = 0.25
 
 
@@ -44,8 +45,9 @@ class Resources:
         return requested
 
     def inference_actors(self) -> tuple[int, float, int]:
-        """(actors, CPUs per actor, GPUs per actor): one per GPU, else the CPUs left after reads."""
+        """(actors, CPUs per actor, GPUs per actor): one per GPU, else one per CPU, each taking what
+        is left after one reader and one writer per actor."""
         if self.gpus:
             return self.gpus, 1.0, 1
         actors = max(1, int(self.cpus))
-        return actors, max(0.1, (self.cpus - READ_CPUS * actors) / actors), 0
+        return actors, max(0.1, (self.cpus - 2 * READ_CPUS * actors) / actors), 0
