@@ -16,7 +16,8 @@ from flows.finetune import finetune
 from tasks import storage
 from tasks.config import DataConfig, FinetuneParams, ModelConfig, TrainConfig
 from tasks.data import DataError
-from tasks.infer import MARKER, local_model
+from tasks.infer import MARKER
+from tasks.predictor import local_model
 
 
 def params(tiny_model, data: dict, root: str) -> FinetuneParams:
