@@ -35,14 +35,14 @@ def finetune(params: FinetuneParams = FinetuneParams()) -> dict:
     history = train(tokenized, params.model.name_or_path, params.model.max_length, params.data.label_names,
                     params.train, store.base, params.ray_address)
     metrics = evaluate(store.model_dir, splits["test"], store.metrics)
-    predictions = predict_files(store.model_dir, params.inference.input_uri or splits["test"].uri, store.predictions,
+    predictions = predict_files(store.model_dir, params.inference.input_uri or list(splits["test"].uris), store.predictions,
                                 params.inference.text_column or params.data.text_column, params.inference.id_column,
                                 params.inference.batch_size, params.ray_address)
 
     write_manifest(
         store.manifest,
         config=params.model_dump(mode="json"),
-        data={"splits": {n: {"uri": s.uri, "sha256": s.sha256, "rows": len(s.texts)} for n, s in splits.items()},
+        data={"splits": {n: {"uris": list(s.uris), "sha256": s.sha256, "rows": s.total_rows} for n, s in splits.items()},
               "tokenize_key": key.model_dump()},
         outputs={"tokenized": tokenized, "model": store.model_dir, "metrics": store.metrics, "predictions": predictions},
         metrics={"test": metrics, "training": history},

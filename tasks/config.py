@@ -31,14 +31,17 @@ def default_storage_root() -> str:
 
 
 DataFormat = Literal["auto", "jsonl", "csv", "tsv", "parquet"]
+SplitInputs = str | list[str]
+SPLIT_INPUTS = ("A file, a directory (every data file under it) or a glob, as a local path or fsspec URI (s3://...); "
+                "or a list of them. Rows are numbered through the files in sorted order.")
 
 
 class DataConfig(BaseModel):
     """Where the labelled splits are and how to read them."""
 
-    train_uri: str = Field(str(SHIPPED_DATA / "train.jsonl"), description="Local path or fsspec URI (s3://...).")
-    validation_uri: str = Field(str(SHIPPED_DATA / "validation.jsonl"))
-    test_uri: str = Field(str(SHIPPED_DATA / "test.jsonl"))
+    train_uri: SplitInputs = Field(str(SHIPPED_DATA / "train.jsonl"), description=SPLIT_INPUTS)
+    validation_uri: SplitInputs = Field(str(SHIPPED_DATA / "validation.jsonl"), description=SPLIT_INPUTS)
+    test_uri: SplitInputs = Field(str(SHIPPED_DATA / "test.jsonl"), description=SPLIT_INPUTS)
     format: DataFormat = Field("auto", description="File format; 'auto' goes by the file extension.")
     text_column: str = "text"
     label_column: str = "label"

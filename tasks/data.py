@@ -1,13 +1,17 @@
 """Reading labelled splits from any fsspec location, and validating them before cluster work.
 
-Every problem raises DataError naming the file and what is wrong with it, so a bad input stops
-the flow before Ray starts and before anything is written to storage.
+A split is one or more files, directories or globs. Every problem raises DataError naming the file
+and what is wrong with it, so a bad input stops the flow before Ray starts and before anything is
+written to storage. Files are read in chunks of CHUNK_ROWS rows, here and in the Ray workers, so
+memory follows the chunk size, never the file size.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import hashlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 from pathlib import PurePosixPath
 
 import pandas as pd
@@ -17,7 +21,8 @@ from tasks import storage
 from tasks.config import DataConfig
 
 EXTENSIONS = {".jsonl": "jsonl", ".json": "jsonl", ".csv": "csv", ".tsv": "tsv", ".parquet": "parquet", ".pq": "parquet"}
-SHOWN_ROWS = 5  # rows quoted in an error message
+SHOWN_ROWS = 5  # rows (or files) quoted in an error message
+CHUNK_ROWS = 10_000  # rows in memory at once per reader of a split's file
 
 
 class DataError(ValueError):
@@ -48,18 +53,6 @@ def iter_frames(uri: str, fmt: str = "auto", chunk_rows: int = 50_000) -> Iterat
             yield from pd.read_csv(f, sep=sep, dtype=str, keep_default_na=False, chunksize=chunk_rows)
 
 
-def read_frame(uri: str, fmt: str = "auto") -> pd.DataFrame:
-    if not storage.exists(uri):
-        raise DataError(f"{uri}: file not found")
-    try:
-        frames = list(iter_frames(uri, fmt))
-    except DataError:
-        raise
-    except Exception as err:  # the parsers' own errors, reported against the file
-        raise DataError(f"{uri}: cannot be read as {file_format(uri, fmt)}: {err}") from err
-    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
-
-
 def expand_inputs(uris: str | list[str]) -> list[str]:
     """Files, directories (every data file under them) or globs, as one sorted list of file URIs."""
     uris = [uris] if isinstance(uris, str) else uris
@@ -75,20 +68,53 @@ def _expand(uri: str) -> list[str]:
         found = [p for p in fs.find(path) if PurePosixPath(p).suffix.lower() in EXTENSIONS]
     elif any(ch in path for ch in "*?["):
         found = fs.glob(path)
+    elif fs.exists(path):
+        found = [path]
     else:
-        found = [path] if fs.exists(path) else []
+        raise DataError(f"{uri}: file not found")
     if not found:
         raise DataError(f"{uri}: no input files found")
     return [protocol + p for p in found]
 
 
+def shown(uris: Sequence[str]) -> str:
+    """Files named in a message: all of a few, the first few of many."""
+    return ", ".join(uris[:SHOWN_ROWS]) + (f" ... ({len(uris)} files)" if len(uris) > SHOWN_ROWS else "")
+
+
+@dataclass(frozen=True)
+class Schema:
+    """How every file of every split is read: the same for the driver's checks and the workers."""
+
+    format: str
+    text_column: str
+    label_column: str
+    label_names: tuple[str, ...]
+
+    @classmethod
+    def of(cls, cfg: DataConfig) -> Schema:
+        return cls(cfg.format, cfg.text_column, cfg.label_column, tuple(cfg.label_names))
+
+
 @dataclass(frozen=True)
 class Split:
+    """A checked split: where its rows are, never the rows themselves (readers stream them)."""
+
     name: str
-    uri: str
-    sha256: str
-    texts: list[str]
-    labels: list[int]
+    uris: tuple[str, ...]  # sorted: global row numbers run through the files in this order
+    rows: tuple[int, ...]  # per file
+    sha256: str  # the file's own when there is one, else over the files' hashes in order
+    classes: frozenset[int]  # label ids seen
+    schema: Schema
+
+    @property
+    def total_rows(self) -> int:
+        return sum(self.rows)
+
+    @property
+    def first_rows(self) -> list[int]:
+        """Each file's first global row number."""
+        return list(accumulate(self.rows, initial=0))[:-1]
 
 
 def _rows(mask: pd.Series) -> str:
@@ -96,7 +122,7 @@ def _rows(mask: pd.Series) -> str:
     return f"rows {rows}{' ...' if mask.sum() > SHOWN_ROWS else ''}"
 
 
-def _label_ids(uri: str, column: pd.Series, names: list[str]) -> list[int]:
+def _label_ids(uri: str, column: pd.Series, names: Sequence[str]) -> pd.Series:
     """Labels given as names or as ids (ints, or digit strings from CSV) -> ids."""
     by_name = {name: i for i, name in enumerate(names)}
 
@@ -116,35 +142,64 @@ def _label_ids(uri: str, column: pd.Series, names: list[str]) -> list[int]:
     if bad.any():
         values = sorted({repr(v) for v in column[bad]})[:SHOWN_ROWS]
         raise DataError(
-            f"{uri}: column '{column.name}' has labels outside {names} (or ids 0..{len(names) - 1}): "
+            f"{uri}: column '{column.name}' has labels outside {list(names)} (or ids 0..{len(names) - 1}): "
             f"{', '.join(values)} at {_rows(bad)}"
         )
-    return ids.astype(int).tolist()
+    return ids.astype("int64")
 
 
-def load_split(name: str, uri: str, cfg: DataConfig) -> Split:
-    uri = storage.normalize(uri)
-    frame = read_frame(uri, cfg.format)
-    if frame.empty:
-        raise DataError(f"{uri}: the {name} split is empty")
-    for column in (cfg.text_column, cfg.label_column):
+def _checked(uri: str, frame: pd.DataFrame, schema: Schema) -> pd.DataFrame:
+    for column in (schema.text_column, schema.label_column):
         if column not in frame.columns:
             raise DataError(f"{uri}: column '{column}' not found; columns are {list(frame.columns)}")
-    texts = frame[cfg.text_column]
+    texts = frame[schema.text_column]
     not_text = ~texts.map(lambda t: isinstance(t, str))
     if not_text.any():
-        raise DataError(f"{uri}: column '{cfg.text_column}' has non-string values at {_rows(not_text)}")
+        raise DataError(f"{uri}: column '{schema.text_column}' has non-string values at {_rows(not_text)}")
     blank = texts.str.strip() == ""
     if blank.any():
-        raise DataError(f"{uri}: column '{cfg.text_column}' has empty texts at {_rows(blank)}")
-    labels = _label_ids(uri, frame[cfg.label_column], cfg.label_names)
-    return Split(name, uri, storage.sha256(uri), texts.tolist(), labels)
+        raise DataError(f"{uri}: column '{schema.text_column}' has empty texts at {_rows(blank)}")
+    return pd.DataFrame({"text": texts, "label": _label_ids(uri, frame[schema.label_column], schema.label_names)})
+
+
+def labelled_frames(uri: str, schema: Schema, chunk_rows: int = CHUNK_ROWS) -> Iterator[pd.DataFrame]:
+    """A file's rows, checked, as frames of (text, label id) indexed by the row number in the file."""
+    seen = 0
+    try:
+        for frame in iter_frames(uri, schema.format, chunk_rows):
+            frame.index = pd.RangeIndex(seen, seen + len(frame))  # Parquet batches each start at 0
+            seen += len(frame)
+            yield _checked(uri, frame, schema)
+    except DataError:
+        raise
+    except Exception as err:  # the parsers' own errors, reported against the file
+        raise DataError(f"{uri}: cannot be read as {file_format(uri, schema.format)}: {err}") from err
+
+
+def combined_sha256(uris: Sequence[str]) -> str:
+    """A one-file split's hash is the file's own (what sha256sum prints, as manifests always held);
+    several files hash their hashes in order, so moving bytes between files changes it too."""
+    hashes = [storage.sha256(uri) for uri in uris]
+    return hashes[0] if len(hashes) == 1 else hashlib.sha256("\n".join(hashes).encode()).hexdigest()
+
+
+def load_split(name: str, uris: str | list[str], cfg: DataConfig) -> Split:
+    """Read every row of the split once, chunk by chunk, to refuse bad input early; keep only counts."""
+    files, schema = tuple(expand_inputs(uris)), Schema.of(cfg)
+    rows, classes = [], set()
+    for uri in files:
+        rows.append(0)
+        for frame in labelled_frames(uri, schema):
+            rows[-1] += len(frame)
+            classes.update(frame["label"].unique().tolist())
+    if not sum(rows):
+        raise DataError(f"{shown(files)}: the {name} split is empty")
+    return Split(name, files, tuple(rows), combined_sha256(files), frozenset(classes), schema)
 
 
 def load_splits(cfg: DataConfig) -> dict[str, Split]:
     splits = {name: load_split(name, getattr(cfg, f"{name}_uri"), cfg) for name in ("train", "validation", "test")}
-    train_classes = set(splits["train"].labels)
-    if len(train_classes) < 2:
-        only = cfg.label_names[train_classes.pop()]
-        raise DataError(f"{splits['train'].uri}: the training split has a single class ('{only}'); it needs at least two")
+    if len(splits["train"].classes) < 2:
+        only = cfg.label_names[next(iter(splits["train"].classes))]
+        raise DataError(f"{shown(splits['train'].uris)}: the training split has a single class ('{only}'); it needs at least two")
     return splits

@@ -8,7 +8,7 @@ import pytest
 from conftest import BUCKET, write_jsonl
 from tasks import storage
 from tasks.config import DataConfig
-from tasks.data import DataError, load_split, load_splits
+from tasks.data import CHUNK_ROWS, DataError, Split, labelled_frames, load_split, load_splits
 
 ROWS = [{"text": "a fine film", "label": 1}, {"text": "a dull film", "label": 0}, {"text": "great", "label": 1}]
 
@@ -23,12 +23,21 @@ def write(frame: pd.DataFrame, path, fmt: str):
     return path
 
 
+def rows_of(split: Split) -> pd.DataFrame:
+    """The split's rows as the workers read them: text, label id, and the global row number."""
+    frames = [frame.set_axis(frame.index + first, axis=0)
+              for uri, first in zip(split.uris, split.first_rows) for frame in labelled_frames(uri, split.schema)]
+    return pd.concat(frames)
+
+
 @pytest.mark.parametrize("fmt", ["jsonl", "csv", "tsv", "parquet"])
 def test_every_format_reads_the_same_rows(tmp_path, fmt):
     path = write(pd.DataFrame(ROWS), tmp_path / f"train.{fmt}", fmt)
     split = load_split("train", str(path), DataConfig())
-    assert split.texts == [r["text"] for r in ROWS]
-    assert split.labels == [1, 0, 1]
+    assert split.uris == (str(path),) and split.rows == (3,) and split.classes == {0, 1}
+    rows = rows_of(split)
+    assert rows["text"].tolist() == [r["text"] for r in ROWS]
+    assert rows["label"].tolist() == [1, 0, 1]
     assert split.sha256 == storage.sha256(str(path))
 
 
@@ -36,7 +45,7 @@ def test_custom_columns_and_label_names(tmp_path):
     frame = pd.DataFrame({"review": ["good", "bad", "meh"], "sentiment": ["pos", "neg", "neu"]})
     path = write(frame, tmp_path / "train.csv", "csv")
     cfg = DataConfig(text_column="review", label_column="sentiment", label_names=["neg", "neu", "pos"])
-    assert load_split("train", str(path), cfg).labels == [2, 0, 1]
+    assert rows_of(load_split("train", str(path), cfg))["label"].tolist() == [2, 0, 1]
 
 
 def test_reads_from_s3(s3_endpoint, tmp_path):
@@ -44,7 +53,53 @@ def test_reads_from_s3(s3_endpoint, tmp_path):
     uri = f"s3://{BUCKET}/data-test/train.parquet"
     storage.filesystem(uri)[0].put_file(str(path), uri)
     split = load_split("train", uri, DataConfig())
-    assert split.uri == uri and split.labels == [1, 0, 1]
+    assert split.uris == (uri,) and rows_of(split)["label"].tolist() == [1, 0, 1]
+
+
+def mixed_split(folder, rows: list[dict]) -> tuple[list[str], pd.DataFrame]:
+    """`rows` in four files: a directory of JSONL, CSV and Parquet files (labels as names in the
+    Parquet one, as ids elsewhere) and a TSV named by a glob. Returns the inputs, and the rows in
+    sorted-path order, which is the order the files are listed here."""
+    quarter = -(-len(rows) // 4)
+    paths = [folder / "dir" / "a.jsonl", folder / "dir" / "b.csv", folder / "dir" / "c.parquet", folder / "extra" / "d.tsv"]
+    for path, start in zip(paths, range(0, len(rows), quarter)):
+        piece = pd.DataFrame(rows[start : start + quarter])
+        if path.suffix == ".parquet":
+            piece["label"] = piece["label"].map(dict(enumerate(DataConfig().label_names)))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write(piece, path, path.suffix[1:])
+    return [str(folder / "dir"), str(folder / "extra" / "*.tsv")], pd.DataFrame(rows)
+
+
+def test_a_split_is_directories_globs_and_lists_of_them(tmp_path):
+    inputs, expected = mixed_split(tmp_path / "here", [{"text": f"t{i}", "label": i % 2} for i in range(10)])
+    split = load_split("train", inputs, DataConfig())
+    assert [uri.removeprefix(str(tmp_path / "here")) for uri in split.uris] == [
+        "/dir/a.jsonl", "/dir/b.csv", "/dir/c.parquet", "/extra/d.tsv"]
+    assert split.rows == (3, 3, 3, 1) and split.first_rows == [0, 3, 6, 9] and split.total_rows == 10
+    rows = rows_of(split)
+    assert rows.index.tolist() == list(range(10))
+    assert rows["text"].tolist() == expected["text"].tolist() and rows["label"].tolist() == expected["label"].tolist()
+
+    elsewhere = mixed_split(tmp_path / "there", expected.to_dict("records"))[0]
+    assert load_split("train", elsewhere, DataConfig()).sha256 == split.sha256, "the same content, elsewhere"
+    (tmp_path / "there" / "dir" / "b.csv").write_text("text,label\nt3,1\nt4,1\nt5,1\n")
+    assert load_split("train", elsewhere, DataConfig()).sha256 != split.sha256
+
+
+def test_unknown_format_is_refused(tmp_path):
+    path = tmp_path / "train.txt"
+    path.write_text("a fine film\n")
+    with pytest.raises(DataError, match=f"{path}: cannot tell the format from '.txt'"):
+        load_split("train", str(path), DataConfig())
+
+
+def test_problems_past_the_first_chunk_name_the_row_in_the_file(tmp_path):
+    texts = ["fine"] * (CHUNK_ROWS + 5)
+    texts[CHUNK_ROWS + 3] = " "
+    path = write(pd.DataFrame({"text": texts, "label": 1}), tmp_path / "train.parquet", "parquet")
+    with pytest.raises(DataError, match=f"empty texts at rows \\[{CHUNK_ROWS + 3}\\]"):
+        load_split("train", str(path), DataConfig())
 
 
 BAD_INPUTS = {
@@ -73,3 +128,10 @@ def test_single_class_training_split_is_refused(tmp_path, small_data):
     cfg = DataConfig(train_uri=str(train), validation_uri=str(small_data["validation"]), test_uri=str(small_data["test"]))
     with pytest.raises(DataError, match=f"{train}: the training split has a single class \\('positive'\\)"):
         load_splits(cfg)
+
+
+def test_an_empty_split_of_several_files_names_them(tmp_path):
+    for name in ("a.jsonl", "b.jsonl"):
+        (tmp_path / name).write_text("")
+    with pytest.raises(DataError, match=f"{tmp_path / 'a.jsonl'}, {tmp_path / 'b.jsonl'}: the train split is empty"):
+        load_split("train", [str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")], DataConfig())

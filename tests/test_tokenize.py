@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pyarrow.parquet as pq
 from prefect import flow
 
+from conftest import read_jsonl
+from tasks import storage
 from tasks.config import DataConfig
 from tasks.data import load_splits
-from tasks.tokenize import load_tokenizer, tokenize, tokenize_key
+from tasks.tokenize import MARKER, load_tokenizer, tokenize, tokenize_key
+from test_data import mixed_split
 
 
 def splits_in(folder, small_data):
@@ -35,8 +39,44 @@ def test_same_content_elsewhere_hits_the_cache(ray_cluster, tiny_model, small_da
     assert same_content.result() == original.result()
     assert shorter.result()["train"] != original.result()["train"]
 
+    labels = [row["label"] for row in read_jsonl(small_data["train"])]
     for uris, max_length in ((original.result(), 48), (shorter.result(), 16)):
         table = pq.read_table(uris["train"])
-        assert sorted(table["row"].to_pylist()) == list(range(len(first["train"].texts)))
-        assert table["label"].to_pylist() == [first["train"].labels[r] for r in table["row"].to_pylist()]
+        assert sorted(table["row"].to_pylist()) == list(range(len(labels)))
+        assert table["label"].to_pylist() == [labels[r] for r in table["row"].to_pylist()]
         assert max(len(ids) for ids in table["input_ids"].to_pylist()) == max_length
+
+
+def test_split_of_many_files_tokenizes_exactly_its_rows(ray_cluster, tiny_model, small_data, tmp_path):
+    inputs, expected = mixed_split(tmp_path / "data", read_jsonl(small_data["train"]))
+    splits = load_splits(DataConfig(train_uri=inputs, validation_uri=[str(small_data["validation"])],
+                                    test_uri=str(small_data["test"])))
+    tokenizer = load_tokenizer(str(tiny_model))
+    uris = tokenize(tokenize_key(splits, tokenizer, 32, str(tmp_path / "store")), splits, str(tiny_model))
+
+    table = pq.read_table(uris["train"]).sort_by("row")
+    assert table["row"].to_pylist() == list(range(len(expected)))
+    assert table["label"].to_pylist() == expected["label"].tolist()
+    assert table["input_ids"].to_pylist() == tokenizer(expected["text"].tolist(), truncation=True, max_length=32)["input_ids"]
+    assert len(list(Path(uris["train"]).glob("*.parquet"))) > 1, "four files are read and encoded in parallel blocks"
+
+
+def test_shards_without_their_marker_are_tokenized_again(ray_cluster, tiny_model, small_data, tmp_path):
+    splits = splits_in(tmp_path / "data", small_data)
+    key = tokenize_key(splits, load_tokenizer(str(tiny_model)), 32, str(tmp_path / "store"))
+
+    @flow
+    def tokenize_as_finetune_does():  # flows/finetune.py: the cache is trusted only where the marker is
+        return tokenize.with_options(refresh_cache=not key.shards_exist())(key, splits, str(tiny_model), return_state=True)
+
+    assert tokenize_as_finetune_does().name == "Completed"
+    assert tokenize_as_finetune_does().name == "Cached"
+    # What an attempt interrupted mid-write leaves: part of the shards and no marker.
+    storage.filesystem(key.target)[0].rm(storage.join(key.target, MARKER))
+    shutil.rmtree(storage.join(key.target, "test"))
+    assert not key.shards_exist()
+
+    again = tokenize_as_finetune_does()
+    assert again.name == "Completed" and key.shards_exist()
+    assert storage.read_json(storage.join(key.target, MARKER))["rows"] == {"train": 2048, "validation": 128, "test": 128}
+    assert pq.read_table(again.result()["test"]).num_rows == 128
