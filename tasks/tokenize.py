@@ -15,11 +15,12 @@ from collections.abc import Callable, Iterator
 
 import pandas as pd
 import pyarrow as pa
-import pyarrow.dataset
+import pyarrow.parquet as pq
 import ray
 from prefect import get_run_logger, task
 from prefect.cache_policies import INPUTS
 from pydantic import BaseModel
+from tokenizers import Tokenizer
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from tasks import cluster, storage
@@ -27,8 +28,7 @@ from tasks.data import Schema, Split, labelled_frames
 
 SPLITS = ("train", "validation", "test")
 MARKER = "_SUCCESS.json"  # rows per split; Parquet readers skip "_" files
-BLOCK_BYTES = 16 << 20  # Ray Data block size: a large file becomes many blocks, tokenized in parallel
-ENCODE_BATCH_ROWS = 1_000  # texts per tokenizer call
+SHARD_SCHEMA = pa.schema({"row": pa.int64(), "label": pa.int64(), "input_ids": pa.list_(pa.int32())})
 
 
 class TokenizeKey(BaseModel):
@@ -72,44 +72,52 @@ def tokenize_key(splits: dict[str, Split], tokenizer: PreTrainedTokenizerBase, m
     )
 
 
-def read_rows(schema: Schema) -> Callable[[pd.DataFrame], Iterator[pd.DataFrame]]:
-    """A Ray Data UDF: (file URI, its first global row) in, its rows out as (row, text, label), streamed."""
-
-    def read(batch: pd.DataFrame) -> Iterator[pd.DataFrame]:
-        for uri, first_row in zip(batch["uri"], batch["first_row"]):
-            for frame in labelled_frames(uri, schema):
-                yield pd.DataFrame({"row": first_row + frame.index, "text": frame["text"], "label": frame["label"]})
-
-    return read
-
-
-def encoder(tokenizer: PreTrainedTokenizerBase, max_length: int) -> Callable[[pa.Table], pa.Table]:
-    def encode(batch: pa.Table) -> pa.Table:
-        ids = tokenizer(batch["text"].to_pylist(), truncation=True, max_length=max_length)["input_ids"]
-        return pa.table({"row": batch["row"], "label": batch["label"], "input_ids": pa.array(ids, pa.list_(pa.int32()))})
-
-    return encode
+def truncating(tokenizer: PreTrainedTokenizerBase, max_length: int) -> Tokenizer:
+    """The fast tokenizer's Rust core, set to encode as `tokenizer(texts, truncation=True,
+    max_length=max_length)` does. Workers unpickle it without importing transformers, which
+    costs every fresh worker 1-2 s of CPU."""
+    core = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
+    core.enable_truncation(max_length, direction=tokenizer.truncation_side)
+    core.no_padding()
+    return core
 
 
-def _tokenize_split(split: Split, tokenizer: PreTrainedTokenizerBase, max_length: int, uri: str) -> int:
-    """One read task per file, yielding blocks of at most BLOCK_BYTES; the blocks of every file
-    are then encoded side by side. Every stage takes READ_CPUS, so it runs beside busy workers."""
-    files = [{"uri": file, "first_row": first} for file, first in zip(split.uris, split.first_rows)]
-    # One tokenizer per CPU (READ_CPUS alone would pack four on each); a pool size of its own also
-    # keeps encoding a stage apart from the reads: Ray Data fuses matching stages, and fused, a
-    # large file's blocks would be encoded one after another in its read task.
-    encoders = max(1, int(cluster.Resources.of_cluster().cpus))
-    path, filesystem = storage.pyarrow_filesystem(uri)
-    files_ds = ray.data.from_items(files, override_num_blocks=len(files))
-    files_ds.context.target_max_block_size = BLOCK_BYTES  # this pipeline's own context copy
-    (
-        files_ds
-        .map_batches(read_rows(split.schema), batch_size=1, batch_format="pandas", num_cpus=cluster.READ_CPUS)
-        .map_batches(encoder(tokenizer, max_length), batch_size=ENCODE_BATCH_ROWS, batch_format="pyarrow",
-                     num_cpus=cluster.READ_CPUS, compute=ray.data.TaskPoolStrategy(size=encoders))
-        .write_parquet(path, filesystem=filesystem, ray_remote_args={"num_cpus": cluster.READ_CPUS})
+def tokenize_files(schema: Schema, tokenizer: Tokenizer, target: str) -> Callable[[pd.DataFrame], Iterator[dict]]:
+    """A Ray Data UDF: (file index, URI, first global row) in; the file's rows, checked and tokenized
+    a chunk (CHUNK_ROWS) at a time, streamed into one Parquet file of (row, label, input_ids) under
+    `target`, a row group per chunk; its row count out. Named by index, a retried task overwrites
+    its own file."""
+    path, filesystem = storage.pyarrow_filesystem(target)
+
+    def run(batch: pd.DataFrame) -> Iterator[dict]:
+        for index, uri, first_row in zip(batch["index"], batch["uri"], batch["first_row"]):
+            rows = 0
+            with pq.ParquetWriter(f"{path}/part-{index:05d}.parquet", SHARD_SCHEMA, filesystem=filesystem) as shard:
+                for frame in labelled_frames(uri, schema):
+                    ids = [encoding.ids for encoding in tokenizer.encode_batch(frame["text"].tolist())]
+                    shard.write_table(pa.table({"row": first_row + frame.index.to_numpy(), "label": frame["label"].to_numpy(),
+                                                "input_ids": ids}, schema=SHARD_SCHEMA))
+                    rows += len(frame)
+            yield {"rows": [rows]}
+
+    return run
+
+
+def _tokenize_split(split: Split, tokenizer: Tokenizer, target: str) -> int:
+    """Every file in a Ray task of its own, at most one per CPU: the work is CPU-bound, and on a
+    2-CPU machine a pool of READ_CPUS tasks (eight) ran 4x slower, starting Ray workers that add
+    no speed. READ_CPUS each still, so the tasks never wait on CPUs that model workers hold."""
+    fs, path = storage.filesystem(target)
+    fs.makedirs(path, exist_ok=True)
+    files = [{"index": i, "uri": uri, "first_row": first} for i, (uri, first) in enumerate(zip(split.uris, split.first_rows))]
+    tasks = ray.data.TaskPoolStrategy(size=max(1, min(len(files), int(cluster.Resources.of_cluster().cpus))))
+    written = (
+        ray.data.from_items(files, override_num_blocks=len(files))
+        .map_batches(tokenize_files(split.schema, tokenizer, target), batch_size=1, batch_format="pandas",
+                     num_cpus=cluster.READ_CPUS, compute=tasks)
+        .take_all()  # a row count per file
     )
-    return pyarrow.dataset.dataset(path, filesystem=filesystem, format="parquet").count_rows()
+    return sum(file["rows"] for file in written)
 
 
 def clear(target: str) -> None:
@@ -129,9 +137,9 @@ def tokenize(
     """Write each split's token ids as Parquet under <root>/tokenized/<key>/; return their URIs."""
     clear(key.target)  # leftovers of an interrupted attempt must not mix with this one
     cluster.connect(ray_address)
-    tokenizer = load_tokenizer(model_name_or_path)
+    tokenizer = truncating(load_tokenizer(model_name_or_path), key.max_length)
     uris = {name: storage.join(key.target, name) for name in SPLITS}
-    rows = {name: _tokenize_split(splits[name], tokenizer, key.max_length, uris[name]) for name in SPLITS}
+    rows = {name: _tokenize_split(splits[name], tokenizer, uris[name]) for name in SPLITS}
     for name in SPLITS:
         if rows[name] != splits[name].total_rows:  # a file changed since it was checked
             raise RuntimeError(f"{name}: wrote {rows[name]} rows, but its files held {splits[name].total_rows} when checked")
