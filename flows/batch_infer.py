@@ -7,7 +7,8 @@ from typing import Annotated
 from prefect import flow
 from pydantic import Field
 
-from tasks.infer import WINDOW_ROWS, predict_files
+from tasks.config import WINDOW_ROWS
+from tasks.infer import predict_files
 
 
 @flow(name="batch_infer")

@@ -37,7 +37,7 @@ def finetune(params: FinetuneParams = FinetuneParams()) -> dict:
     metrics = evaluate(store.model_dir, splits["test"], store.metrics)
     predictions = predict_files(store.model_dir, params.inference.input_uri or list(splits["test"].uris), store.predictions,
                                 params.inference.text_column or params.data.text_column, params.inference.id_column,
-                                params.inference.batch_size, params.ray_address)
+                                params.inference.batch_size, params.ray_address, params.inference.window_rows)
 
     write_manifest(
         store.manifest,

@@ -30,6 +30,10 @@ def default_storage_root() -> str:
     return os.environ.get("FTFLOW_STORAGE_ROOT", str(PROJECT_ROOT / "artifacts"))
 
 
+# Rows an inference actor sorts by length and labels per call, and rows per read block: the larger,
+# the less padding; with batch_size, what bounds an actor's memory whatever the corpus size.
+WINDOW_ROWS = 8192
+
 DataFormat = Literal["auto", "jsonl", "csv", "tsv", "parquet"]
 SplitInputs = str | list[str]
 SPLIT_INPUTS = ("A file, a directory (every data file under it) or a glob, as a local path or fsspec URI (s3://...); "
@@ -103,10 +107,12 @@ class TrainConfig(BaseModel):
 
 
 class InferenceConfig(BaseModel):
-    input_uri: str | None = Field(None, description="Files to label (path, glob, dir or URI); default: the test split.")
+    input_uri: str | list[str] | None = Field(
+        None, description="Files to label: files, directories or globs (local or s3://), or a list of them; default: the test split.")
     text_column: str | None = Field(None, description="Default: the data's text column.")
     id_column: str | None = Field(None, description="Column holding row ids; default: '<file>:<row>'.")
     batch_size: int = Field(64, ge=1)
+    window_rows: int = Field(WINDOW_ROWS, ge=1, description="Rows sorted by length and labelled together: with batch_size, bounds memory per actor.")
 
 
 class FinetuneParams(BaseModel):

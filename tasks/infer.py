@@ -16,6 +16,7 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_table_artifact
 
 from tasks import cluster, storage
+from tasks.config import WINDOW_ROWS
 from tasks.data import DataError, expand_inputs, iter_frames
 from tasks.predictor import Predictor
 
@@ -23,9 +24,6 @@ from tasks.predictor import Predictor
 # result from the remains of a failed or interrupted job (Parquet readers skip "_" files).
 MARKER = "_SUCCESS.json"
 PROGRESS_EVERY_S = 10.0
-# Rows an actor sorts by length and labels per call, and rows per read block: the larger, the less
-# padding; with batch_size, what bounds an actor's memory whatever the corpus size.
-WINDOW_ROWS = 8192
 
 
 @ray.remote(num_cpus=0)
@@ -84,7 +82,7 @@ def predict_files(
     base = os.path.commonpath(files) if len(files) > 1 else ""
     cluster.connect(ray_address)
     actors, cpus, gpus = cluster.Resources.of_cluster().inference_actors()
-    clear_output(output_uri)
+    storage.clear_marked(output_uri, MARKER)  # a re-run replaces what a previous job left, complete or not
     out_path, out_fs = storage.pyarrow_filesystem(output_uri)
     logger, progress, started = get_run_logger(), Progress.remote(), time.perf_counter()
     with logging_progress(progress, files, logger):
@@ -121,7 +119,7 @@ def predict_files(
         key="batch-inference-throughput",
         table=[{"rows": rows, "files": len(files), "seconds": round(seconds, 1), "rows_per_s": round(rows / seconds, 1),
                 "actors": actors}],
-        description=f"{model_uri} over {input_uri}",
+        description=f"{model_uri} over {len(files)} file(s) from {base or files[0]}",
     )
     return {"output_uri": output_uri, "rows": rows, "files": len(files)}
 
@@ -151,14 +149,3 @@ def logging_progress(progress, files: list[str], logger) -> Iterator[None]:
     finally:
         stop.set()
         reporter.join()
-
-
-def clear_output(output_uri: str) -> None:
-    """A re-run replaces what a previous job left, complete or not, instead of mixing with it; the
-    marker goes first, so no reader ever sees it beside a half-deleted output."""
-    fs, path = storage.filesystem(output_uri)
-    marker = storage.filesystem(storage.join(output_uri, MARKER))[1]
-    if fs.exists(marker):
-        fs.rm(marker)
-    if fs.exists(path):
-        fs.rm(path, recursive=True)

@@ -72,6 +72,17 @@ def sha256(uri: str) -> str:
     return digest.hexdigest()
 
 
+def clear_marked(uri: str, marker: str) -> None:
+    """Remove an output folder whose completion marker (a file in it) is written last: the marker
+    goes first, so no reader ever sees it beside a half-deleted output."""
+    fs, path = filesystem(uri)
+    marker_path = filesystem(join(uri, marker))[1]
+    if fs.exists(marker_path):
+        fs.rm(marker_path)
+    if fs.exists(path):
+        fs.rm(path, recursive=True)
+
+
 def size(uri: str) -> int:
     fs, path = filesystem(uri)
     return fs.size(path)

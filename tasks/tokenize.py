@@ -25,6 +25,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from tasks import cluster, storage
 from tasks.data import Schema, Split, labelled_frames
+from tasks.predictor import truncating
 
 SPLITS = ("train", "validation", "test")
 MARKER = "_SUCCESS.json"  # rows per split; Parquet readers skip "_" files
@@ -72,16 +73,6 @@ def tokenize_key(splits: dict[str, Split], tokenizer: PreTrainedTokenizerBase, m
     )
 
 
-def truncating(tokenizer: PreTrainedTokenizerBase, max_length: int) -> Tokenizer:
-    """The fast tokenizer's Rust core, set to encode as `tokenizer(texts, truncation=True,
-    max_length=max_length)` does. Workers unpickle it without importing transformers, which
-    costs every fresh worker 1-2 s of CPU."""
-    core = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
-    core.enable_truncation(max_length, direction=tokenizer.truncation_side)
-    core.no_padding()
-    return core
-
-
 def tokenize_files(schema: Schema, tokenizer: Tokenizer, target: str) -> Callable[[pd.DataFrame], Iterator[dict]]:
     """A Ray Data UDF: (file index, URI, first global row) in; the file's rows, checked and tokenized
     a chunk (CHUNK_ROWS) at a time, streamed into one Parquet file of (row, label, input_ids) under
@@ -120,22 +111,12 @@ def _tokenize_split(split: Split, tokenizer: Tokenizer, target: str) -> int:
     return sum(file["rows"] for file in written)
 
 
-def clear(target: str) -> None:
-    """Marker first, so no reader sees it beside the remains of older shards."""
-    fs, path = storage.filesystem(target)
-    marker = storage.join(path, MARKER)
-    if fs.exists(marker):
-        fs.rm(marker)
-    if fs.exists(path):
-        fs.rm(path, recursive=True)
-
-
 @task(cache_policy=INPUTS - "splits" - "model_name_or_path" - "ray_address", persist_result=True)
 def tokenize(
     key: TokenizeKey, splits: dict[str, Split], model_name_or_path: str, ray_address: str | None = None
 ) -> dict[str, str]:
     """Write each split's token ids as Parquet under <root>/tokenized/<key>/; return their URIs."""
-    clear(key.target)  # leftovers of an interrupted attempt must not mix with this one
+    storage.clear_marked(key.target, MARKER)  # leftovers of an interrupted attempt must not mix with this one
     cluster.connect(ray_address)
     tokenizer = truncating(load_tokenizer(model_name_or_path), key.max_length)
     uris = {name: storage.join(key.target, name) for name in SPLITS}
