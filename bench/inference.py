@@ -38,18 +38,30 @@ from tiny_model import make_tiny_bert  # noqa: E402
 BATCH = 64
 
 
+def shipped_reviews() -> list[dict]:
+    """The shipped training split's rows, {"text", "label"}: the corpus every benchmark repeats."""
+    return [json.loads(line) for line in (ROOT / "data/rotten_tomatoes/train.jsonl").read_text().split("\n") if line]
+
+
 def review_texts() -> list[str]:
-    return [json.loads(line)["text"] for line in (ROOT / "data/rotten_tomatoes/train.jsonl").read_text().split("\n") if line]
+    return [review["text"] for review in shipped_reviews()]
 
 
-def write_corpus(rows: int, files: int, folder: Path) -> list[Path]:
-    texts = review_texts()
+def write_corpus(rows: int, files: int, folder: Path, labels: bool = False) -> list[Path]:
+    """`rows` reviews, repeated and each prefixed with its row number, in `files` JSONL files; with
+    each review's own label when `labels` (what labelled splits need)."""
+    reviews = shipped_reviews()
+
+    def record(i: int) -> dict:
+        review = reviews[i % len(reviews)]
+        return {"text": f"{i}: {review['text']}"} | ({"label": review["label"]} if labels else {})
+
     per_file = -(-rows // files)
     paths = []
     for f in range(files):
         start, stop = f * per_file, min(rows, (f + 1) * per_file)
         path = folder / f"part-{f:04d}.jsonl"
-        path.write_text("".join(json.dumps({"text": f"{i}: {texts[i % len(texts)]}"}) + "\n" for i in range(start, stop)))
+        path.write_text("".join(json.dumps(record(i)) + "\n" for i in range(start, stop)))
         paths.append(path)
     return paths
 

@@ -40,20 +40,6 @@ from tasks.tokenize import load_tokenizer, tokenize, tokenize_key  # noqa: E402
 SMALL_SPLIT_ROWS = 64
 
 
-def review_labels() -> list[int]:
-    return [json.loads(line)["label"] for line in (ROOT / "data/rotten_tomatoes/train.jsonl").read_text().split("\n") if line]
-
-
-def write_labelled_corpus(rows: int, files: int, folder: Path) -> list[Path]:
-    """bench/inference.py's corpus with the label of each repeated review added to its row."""
-    paths, labels, row = write_corpus(rows, files, folder), review_labels(), 0
-    for path in paths:
-        records = [json.loads(line) for line in path.read_text().split("\n") if line]
-        path.write_text("".join(json.dumps({**r, "label": labels[(row + i) % len(labels)]}) + "\n" for i, r in enumerate(records)))
-        row += len(records)
-    return paths
-
-
 def with_datasets(files: list[Path], model: str, max_length: int, out: Path, cache: Path) -> int:
     import datasets
     from transformers import AutoTokenizer
@@ -102,7 +88,7 @@ def main() -> None:
         for rows in args.rows:
             corpus = Path(tmp) / f"corpus-{rows}"
             corpus.mkdir()
-            files = write_labelled_corpus(rows, args.files, corpus)
+            files = write_corpus(rows, args.files, corpus, labels=True)
             base_rows, base_s = timed(lambda: with_datasets(files, model, args.max_length, Path(tmp) / f"datasets-{rows}.parquet",
                                                             Path(tmp) / f"datasets-cache-{rows}"))
             with peak_ray_worker_rss() as peak:
