@@ -20,9 +20,6 @@ from tasks.config import WINDOW_ROWS
 from tasks.data import DataError, expand_inputs, iter_frames
 from tasks.predictor import Predictor
 
-# Written into the output folder after every prediction file, so a reader can tell a complete
-# result from the remains of a failed or interrupted job (Parquet readers skip "_" files).
-MARKER = "_SUCCESS.json"
 PROGRESS_EVERY_S = 10.0
 
 
@@ -47,11 +44,11 @@ class Progress:
 
 
 def read_rows(text_column: str, id_column: str | None, base: str, window_rows: int, progress):
-    """A Ray Data UDF: one input file URI in, its rows out as (id, text) frames of at most
+    """A Ray Data UDF: one input file (URI, size) in, its rows out as (id, text) frames of at most
     window_rows rows, streamed: a file of any size is never held whole."""
 
     def read(batch: pd.DataFrame) -> Iterator[pd.DataFrame]:
-        for uri in batch["uri"]:
+        for uri, size in zip(batch["uri"], batch["size"]):
             name = os.path.relpath(uri, base) if base else Path(uri).name
             seen = 0
             for frame in iter_frames(uri, chunk_rows=window_rows):
@@ -60,7 +57,7 @@ def read_rows(text_column: str, id_column: str | None, base: str, window_rows: i
                 ids = frame[id_column].astype(str) if id_column else [f"{name}:{seen + i}" for i in range(len(frame))]
                 yield pd.DataFrame({"id": ids, "text": frame[text_column].astype(str)})
                 seen += len(frame)
-            progress.read.remote(seen, storage.size(uri))
+            progress.read.remote(seen, size)
 
     return read
 
@@ -82,12 +79,13 @@ def predict_files(
     base = os.path.commonpath(files) if len(files) > 1 else ""
     cluster.connect(ray_address)
     actors, cpus, gpus = cluster.Resources.of_cluster().inference_actors()
-    storage.clear_marked(output_uri, MARKER)  # a re-run replaces what a previous job left, complete or not
+    storage.clear_marked(output_uri)  # a re-run replaces what a previous job left, complete or not
     out_path, out_fs = storage.pyarrow_filesystem(output_uri)
+    sizes = {uri: storage.size(uri) for uri in files}  # once: for the progress estimate and its reports
     logger, progress, started = get_run_logger(), Progress.remote(), time.perf_counter()
-    with logging_progress(progress, files, logger):
+    with logging_progress(progress, sizes, logger):
         (
-            ray.data.from_items([{"uri": f} for f in files], override_num_blocks=len(files))
+            ray.data.from_items([{"uri": uri, "size": size} for uri, size in sizes.items()], override_num_blocks=len(files))
             # One reader per actor keeps up with it (reads run at tens of thousands of rows/s) and
             # leaves the CPUs to the model instead of to starting more reader processes.
             .map_batches(read_rows(text_column, id_column, base, window_rows, progress), batch_size=1,
@@ -106,7 +104,7 @@ def predict_files(
         )
     seconds = time.perf_counter() - started
     rows = pyarrow.dataset.dataset(out_path, filesystem=out_fs, format="parquet").count_rows()
-    storage.write_json(storage.join(output_uri, MARKER), {
+    storage.write_json(storage.join(output_uri, storage.MARKER), {
         "rows": rows,
         "inputs": {uri: storage.fingerprint(uri) for uri in files},
         "model": {"uri": model_uri, "fingerprint": storage.fingerprint(model_uri)},
@@ -125,22 +123,22 @@ def predict_files(
 
 
 @contextmanager
-def logging_progress(progress, files: list[str], logger) -> Iterator[None]:
+def logging_progress(progress, sizes: dict[str, int], logger) -> Iterator[None]:
     """While the pipeline runs, every PROGRESS_EVERY_S: rows labelled of the total, and rows/s.
     The total is exact once every file is read; before, an estimate from the bytes read so far
     (counting rows up front would read the corpus twice)."""
-    stop, started, total_bytes = threading.Event(), time.perf_counter(), sum(storage.size(f) for f in files)
+    stop, started, total_bytes = threading.Event(), time.perf_counter(), sum(sizes.values())
 
     def report() -> None:
         while not stop.wait(PROGRESS_EVERY_S):
             files_read, bytes_read, rows_read, labelled = ray.get(progress.counts.remote())
             rate = labelled / (time.perf_counter() - started)
-            if files_read == len(files):
+            if files_read == len(sizes):
                 logger.info("labelled %s / %s rows, %.0f rows/s", f"{labelled:,}", f"{rows_read:,}", rate)
             else:
                 estimate = f"~{rows_read * total_bytes / bytes_read:,.0f}" if bytes_read else "?"
                 logger.info("labelled %s / %s rows (%d/%d files read), %.0f rows/s", f"{labelled:,}", estimate,
-                            files_read, len(files), rate)
+                            files_read, len(sizes), rate)
 
     reporter = threading.Thread(target=report, daemon=True)
     reporter.start()

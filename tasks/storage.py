@@ -72,11 +72,16 @@ def sha256(uri: str) -> str:
     return digest.hexdigest()
 
 
-def clear_marked(uri: str, marker: str) -> None:
-    """Remove an output folder whose completion marker (a file in it) is written last: the marker
-    goes first, so no reader ever sees it beside a half-deleted output."""
+# Written last into an output folder (tokenized shards, predictions), so a reader can tell a complete
+# result from the remains of a failed or interrupted job; Parquet readers skip "_" files.
+MARKER = "_SUCCESS.json"
+
+
+def clear_marked(uri: str) -> None:
+    """Remove an output folder completed by a MARKER: the marker goes first, so no reader ever sees
+    it beside a half-deleted output."""
     fs, path = filesystem(uri)
-    marker_path = filesystem(join(uri, marker))[1]
+    marker_path = filesystem(join(uri, MARKER))[1]
     if fs.exists(marker_path):
         fs.rm(marker_path)
     if fs.exists(path):

@@ -3,7 +3,8 @@
 Shards live under a content-addressed prefix and the Prefect cache key is the same content key
 (data hashes, how the files are read, tokenizer hash, max length, storage root): renaming or
 moving the input files, or a new run id, reuses the shards; any change in what would be computed
-recomputes them. The prefix is complete only once its MARKER is there, written last.
+recomputes them. The prefix is complete only once storage.MARKER (rows per split) is there,
+written last.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ from tasks.data import Schema, Split, labelled_frames
 from tasks.predictor import truncating
 
 SPLITS = ("train", "validation", "test")
-MARKER = "_SUCCESS.json"  # rows per split; Parquet readers skip "_" files
 SHARD_SCHEMA = pa.schema({"row": pa.int64(), "label": pa.int64(), "input_ids": pa.list_(pa.int32())})
 
 
@@ -52,7 +52,7 @@ class TokenizeKey(BaseModel):
     def shards_exist(self) -> bool:
         """False when the shards a cached result points to are gone or were never completed (an
         interrupted run leaves shards without the marker): then tokenize again."""
-        return storage.exists(storage.join(self.target, MARKER))
+        return storage.exists(storage.join(self.target, storage.MARKER))
 
 
 def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
@@ -116,7 +116,7 @@ def tokenize(
     key: TokenizeKey, splits: dict[str, Split], model_name_or_path: str, ray_address: str | None = None
 ) -> dict[str, str]:
     """Write each split's token ids as Parquet under <root>/tokenized/<key>/; return their URIs."""
-    storage.clear_marked(key.target, MARKER)  # leftovers of an interrupted attempt must not mix with this one
+    storage.clear_marked(key.target)  # leftovers of an interrupted attempt must not mix with this one
     cluster.connect(ray_address)
     tokenizer = truncating(load_tokenizer(model_name_or_path), key.max_length)
     uris = {name: storage.join(key.target, name) for name in SPLITS}
@@ -124,6 +124,6 @@ def tokenize(
     for name in SPLITS:
         if rows[name] != splits[name].total_rows:  # a file changed since it was checked
             raise RuntimeError(f"{name}: wrote {rows[name]} rows, but its files held {splits[name].total_rows} when checked")
-    storage.write_json(storage.join(key.target, MARKER), {"rows": rows})
+    storage.write_json(storage.join(key.target, storage.MARKER), {"rows": rows})
     get_run_logger().info("tokenized %s rows into %s", rows, key.target)
     return uris

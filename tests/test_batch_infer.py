@@ -17,7 +17,7 @@ from conftest import write_jsonl
 from flows.batch_infer import batch_infer
 from tasks import infer, storage
 from tasks.data import DataError
-from tasks.infer import MARKER
+from tasks.storage import MARKER
 
 
 @pytest.fixture

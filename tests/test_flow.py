@@ -16,8 +16,8 @@ from flows.finetune import finetune
 from tasks import storage
 from tasks.config import DataConfig, FinetuneParams, ModelConfig, TrainConfig
 from tasks.data import DataError
-from tasks.infer import MARKER
 from tasks.predictor import local_model
+from tasks.storage import MARKER
 
 
 def params(tiny_model, data: dict, root: str) -> FinetuneParams:

@@ -12,7 +12,8 @@ from conftest import read_jsonl
 from tasks import storage
 from tasks.config import DataConfig
 from tasks.data import load_splits
-from tasks.tokenize import MARKER, load_tokenizer, tokenize, tokenize_key
+from tasks.storage import MARKER
+from tasks.tokenize import load_tokenizer, tokenize, tokenize_key
 from test_data import mixed_split
 
 
