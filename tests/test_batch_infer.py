@@ -112,3 +112,14 @@ def test_a_million_rows_over_many_files_get_one_prediction_each(ray_cluster, tin
     assert out["rows"] == files * per_file
     ids = pq.read_table(tmp_path / "predictions", columns=["id"]).column("id").to_pandas()
     assert ids.is_unique and set(ids) == {f"d{i}" for i in range(files * per_file)}
+
+
+def test_a_small_corpus_is_split_into_windows_for_every_actor(corpus):
+    """10,000 rows in windows of 8,192 would leave one of two actors 80% of the work."""
+    jsonl, parquet = corpus / "a.jsonl", corpus / "c.parquet"
+    per_row = {str(jsonl): jsonl.stat().st_size / 300, str(parquet): parquet.stat().st_size / 100}
+    for uri, size in per_row.items():
+        ten_thousand_rows = {uri: size * 10_000}
+        assert infer.balanced_window(8192, 64, actors=2, sizes=ten_thousand_rows) == pytest.approx(10_000 / 8, rel=0.01)
+        assert infer.balanced_window(8192, 64, actors=2, sizes={uri: size * 1_000_000}) == 8192
+        assert infer.balanced_window(8192, 64, actors=100, sizes=ten_thousand_rows) == 64  # never below a batch
