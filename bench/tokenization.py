@@ -26,12 +26,11 @@ import tempfile
 from pathlib import Path
 
 import pyarrow.dataset
-from prefect import task
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
-from inference import peak_ray_worker_rss, review_texts, timed, write_corpus  # noqa: E402
+from inference import peak_ray_worker_rss, review_texts, start_prefect, timed, write_corpus  # noqa: E402
 from tasks import cluster  # noqa: E402
 from tasks.config import DataConfig, ModelConfig  # noqa: E402
 from tasks.data import load_splits  # noqa: E402
@@ -62,11 +61,6 @@ def with_ftflow(corpus: Path, small: Path, model: str, max_length: int, root: Pa
     key = tokenize_key(checked, load_tokenizer(model), max_length, str(root))
     uris = tokenize.with_options(refresh_cache=True)(key, checked, model)
     return pyarrow.dataset.dataset(uris["train"]).count_rows(), checks_s
-
-
-@task
-def start_prefect() -> None:
-    """Run once before timing: a task call outside a flow starts Prefect's temporary API server."""
 
 
 def main() -> None:

@@ -3,15 +3,16 @@
 A split is one or more files, directories or globs. Every problem raises DataError naming the file
 and what is wrong with it, so a bad input stops the flow before Ray starts and before anything is
 written to storage. Files are read in chunks of CHUNK_ROWS rows, here and in the Ray workers, so
-memory follows the chunk size, never the file size.
+memory follows the chunk size, never the file size; and as pieces of at most PIECE_BYTES, so one
+huge file is still read by many workers at once.
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
-from itertools import accumulate
+from dataclasses import dataclass, replace
 from pathlib import PurePosixPath
 
 import pandas as pd
@@ -23,6 +24,7 @@ from tasks.config import DataConfig
 EXTENSIONS = {".jsonl": "jsonl", ".json": "jsonl", ".csv": "csv", ".tsv": "tsv", ".parquet": "parquet", ".pq": "parquet"}
 SHOWN_ROWS = 5  # rows (or files) quoted in an error message
 CHUNK_ROWS = 10_000  # rows in memory at once per reader of a split's file
+PIECE_BYTES = 8 << 20  # the most of one file a worker task is given: pieces are what tasks balance
 
 
 class DataError(ValueError):
@@ -38,16 +40,79 @@ def file_format(uri: str, declared: str = "auto") -> str:
     return EXTENSIONS[suffix]
 
 
-def iter_frames(uri: str, fmt: str = "auto", chunk_rows: int = 50_000) -> Iterator[pd.DataFrame]:
-    """Stream a file as DataFrames of at most chunk_rows rows; text stays text (no type guessing)."""
+@dataclass(frozen=True)
+class Piece:
+    """A contiguous part of one file that one task reads: for JSONL the lines that start in bytes
+    [start, stop), for Parquet row groups [start, stop); CSV and TSV files are read whole (a quoted
+    field may hold a newline, so bytes alone cannot tell where a row starts). `rows`, `first_row`
+    (in the split) and `file_row` (in the file) are known once the piece has been checked."""
+
+    uri: str
+    start: int
+    stop: int
+    size: int  # bytes, to balance pieces across tasks
+    rows: int = 0
+    first_row: int = 0
+    file_row: int = 0
+
+
+def cut(uri: str, fmt: str = "auto", piece_bytes: int | None = None) -> list[Piece]:
+    """A file as pieces of about piece_bytes (PIECE_BYTES unless given; at least one piece)."""
+    fmt, piece_bytes = file_format(uri, fmt), piece_bytes or PIECE_BYTES
+    fs, path = storage.filesystem(uri)
+    size = fs.size(path)
+    if fmt == "parquet":
+        with fs.open(path, "rb") as f:
+            meta = pq.ParquetFile(f).metadata
+        pieces, start, taken = [], 0, 0
+        for group in range(meta.num_row_groups):
+            group_bytes = meta.row_group(group).total_byte_size
+            if taken and taken + group_bytes > piece_bytes:
+                pieces.append(Piece(uri, start, group, taken))
+                start, taken = group, 0
+            taken += group_bytes
+        return [*pieces, Piece(uri, start, meta.num_row_groups, taken)]
+    count = max(1, -(-size // piece_bytes)) if fmt == "jsonl" else 1
+    bounds = [size * i // count for i in range(count + 1)]
+    return [Piece(uri, start, stop, stop - start) for start, stop in zip(bounds, bounds[1:])]
+
+
+class _Lines(io.RawIOBase):
+    """The lines of a file that start in bytes [start, stop), as a file the parsers read whole. Each
+    line belongs to the piece its first byte is in, so consecutive pieces hold every line once."""
+
+    def __init__(self, f, start: int, stop: int) -> None:
+        f.seek(max(0, start - 1))
+        if start:
+            f.readline()  # the line under way at `start` is the previous piece's
+        self.f, self.stop, self.pending = f, stop, b""
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        if not self.pending and self.f.tell() < self.stop:
+            self.pending = self.f.read(min(len(buffer), self.stop - self.f.tell()))
+            if self.f.tell() >= self.stop and self.pending and not self.pending.endswith(b"\n"):
+                self.pending += self.f.readline()  # the line that crosses `stop` is this piece's
+        taken, self.pending = self.pending[: len(buffer)], self.pending[len(buffer) :]
+        buffer[: len(taken)] = taken
+        return len(taken)
+
+
+def iter_frames(uri: str, fmt: str = "auto", chunk_rows: int = 50_000, piece: Piece | None = None) -> Iterator[pd.DataFrame]:
+    """Stream a file, or one piece of it, as DataFrames of at most chunk_rows rows; text stays text
+    (no type guessing)."""
     fmt = file_format(uri, fmt)
     fs, path = storage.filesystem(uri)
     with fs.open(path, "rb") as f:
         if fmt == "parquet":
-            for batch in pq.ParquetFile(f).iter_batches(batch_size=chunk_rows):
+            groups = range(piece.start, piece.stop) if piece else None
+            for batch in pq.ParquetFile(f).iter_batches(batch_size=chunk_rows, row_groups=groups):
                 yield batch.to_pandas()
         elif fmt == "jsonl":
-            yield from pd.read_json(f, lines=True, dtype=False, chunksize=chunk_rows)
+            lines = io.BufferedReader(_Lines(f, piece.start, piece.stop), 1 << 20) if piece else f
+            yield from pd.read_json(lines, lines=True, dtype=False, chunksize=chunk_rows)
         else:
             sep = "\t" if fmt == "tsv" else ","
             yield from pd.read_csv(f, sep=sep, dtype=str, keep_default_na=False, chunksize=chunk_rows)
@@ -114,19 +179,14 @@ class Split:
 
     name: str
     uris: tuple[str, ...]  # sorted: global row numbers run through the files in this order
-    rows: tuple[int, ...]  # per file
+    pieces: tuple[Piece, ...]  # in the same order, each with its row count and first row
     sha256: str  # the file's own when there is one, else over the files' hashes in order
     classes: frozenset[int]  # label ids seen
     schema: Schema
 
     @property
     def total_rows(self) -> int:
-        return sum(self.rows)
-
-    @property
-    def first_rows(self) -> list[int]:
-        """Each file's first global row number."""
-        return list(accumulate(self.rows, initial=0))[:-1]
+        return sum(piece.rows for piece in self.pieces)
 
 
 def _rows(mask: pd.Series) -> str:
@@ -174,11 +234,12 @@ def _checked(uri: str, frame: pd.DataFrame, schema: Schema) -> pd.DataFrame:
     return pd.DataFrame({"text": texts, "label": _label_ids(uri, frame[schema.label_column], schema.label_names)})
 
 
-def labelled_frames(uri: str, schema: Schema, chunk_rows: int = CHUNK_ROWS) -> Iterator[pd.DataFrame]:
-    """A file's rows, checked, as frames of (text, label id) indexed by the row number in the file."""
-    seen = 0
+def labelled_frames(uri: str, schema: Schema, chunk_rows: int = CHUNK_ROWS, piece: Piece | None = None) -> Iterator[pd.DataFrame]:
+    """A file's rows (or a piece's), checked, as frames of (text, label id) indexed by the row
+    number in the file."""
+    seen = piece.file_row if piece else 0
     try:
-        for frame in iter_frames(uri, schema.format, chunk_rows):
+        for frame in iter_frames(uri, schema.format, chunk_rows, piece):
             frame.index = pd.RangeIndex(seen, seen + len(frame))  # Parquet batches each start at 0
             seen += len(frame)
             yield _checked(uri, frame, schema)
@@ -196,17 +257,22 @@ def combined_sha256(uris: Sequence[str]) -> str:
 
 
 def load_split(name: str, uris: str | list[str], cfg: DataConfig) -> Split:
-    """Read every row of the split once, chunk by chunk, to refuse bad input early; keep only counts."""
+    """Read every row of the split once, piece by piece and chunk by chunk, to refuse bad input
+    early; keep only counts."""
     files, schema = tuple(expand_inputs(uris)), Schema.of(cfg)
-    rows, classes = [], set()
+    pieces, classes, first_row = [], set(), 0
     for uri in files:
-        rows.append(0)
-        for frame in labelled_frames(uri, schema):
-            rows[-1] += len(frame)
-            classes.update(frame["label"].unique().tolist())
-    if not sum(rows):
+        file_row = 0
+        for piece in cut(uri, schema.format):
+            piece = replace(piece, first_row=first_row, file_row=file_row)
+            for frame in labelled_frames(uri, schema, piece=piece):
+                file_row += len(frame)
+                classes.update(frame["label"].unique().tolist())
+            pieces.append(replace(piece, rows=file_row - piece.file_row))
+            first_row += pieces[-1].rows
+    if not first_row:
         raise DataError(f"{shown(files)}: the {name} split is empty")
-    return Split(name, files, tuple(rows), combined_sha256(files), frozenset(classes), schema)
+    return Split(name, files, tuple(pieces), combined_sha256(files), frozenset(classes), schema)
 
 
 def load_splits(cfg: DataConfig) -> dict[str, Split]:

@@ -12,11 +12,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from collections.abc import Callable, Iterator
 
-import pandas as pd
-import pyarrow as pa
-import pyarrow.parquet as pq
 import ray
 from prefect import get_run_logger, task
 from prefect.cache_policies import INPUTS
@@ -25,11 +21,9 @@ from tokenizers import Tokenizer
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from tasks import cluster, storage
-from tasks.data import Schema, Split, labelled_frames
+from tasks.data import Split
 from tasks.predictor import truncating
-
-SPLITS = ("train", "validation", "test")
-SHARD_SCHEMA = pa.schema({"row": pa.int64(), "label": pa.int64(), "input_ids": pa.list_(pa.int32())})
+from tasks.shards import SPLITS, shards, write_shards
 
 
 class TokenizeKey(BaseModel):
@@ -73,42 +67,28 @@ def tokenize_key(splits: dict[str, Split], tokenizer: PreTrainedTokenizerBase, m
     )
 
 
-def tokenize_files(schema: Schema, tokenizer: Tokenizer, target: str) -> Callable[[pd.DataFrame], Iterator[dict]]:
-    """A Ray Data UDF: (file index, URI, first global row) in; the file's rows, checked and tokenized
-    a chunk (CHUNK_ROWS) at a time, streamed into one Parquet file of (row, label, input_ids) under
-    `target`, a row group per chunk; its row count out. Named by index, a retried task overwrites
-    its own file."""
-    path, filesystem = storage.pyarrow_filesystem(target)
-
-    def run(batch: pd.DataFrame) -> Iterator[dict]:
-        for index, uri, first_row in zip(batch["index"], batch["uri"], batch["first_row"]):
-            rows = 0
-            with pq.ParquetWriter(f"{path}/part-{index:05d}.parquet", SHARD_SCHEMA, filesystem=filesystem) as shard:
-                for frame in labelled_frames(uri, schema):
-                    ids = [encoding.ids for encoding in tokenizer.encode_batch(frame["text"].tolist())]
-                    shard.write_table(pa.table({"row": first_row + frame.index.to_numpy(), "label": frame["label"].to_numpy(),
-                                                "input_ids": ids}, schema=SHARD_SCHEMA))
-                    rows += len(frame)
-            yield {"rows": [rows]}
-
-    return run
-
-
-def _tokenize_split(split: Split, tokenizer: Tokenizer, target: str) -> int:
-    """Every file in a Ray task of its own, at most one per CPU: the work is CPU-bound, and on a
-    2-CPU machine a pool of READ_CPUS tasks (eight) ran 4x slower, starting Ray workers that add
-    no speed. READ_CPUS each still, so the tasks never wait on CPUs that model workers hold."""
-    fs, path = storage.filesystem(target)
-    fs.makedirs(path, exist_ok=True)
-    files = [{"index": i, "uri": uri, "first_row": first} for i, (uri, first) in enumerate(zip(split.uris, split.first_rows))]
-    tasks = ray.data.TaskPoolStrategy(size=max(1, min(len(files), int(cluster.Resources.of_cluster().cpus))))
-    written = (
-        ray.data.from_items(files, override_num_blocks=len(files))
-        .map_batches(tokenize_files(split.schema, tokenizer, target), batch_size=1, batch_format="pandas",
-                     num_cpus=cluster.READ_CPUS, compute=tasks)
-        .take_all()  # a row count per file
+def _tokenize_splits(splits: dict[str, Split], tokenizer: Tokenizer, targets: dict[str, str]) -> dict[str, int]:
+    """Every split in one Ray Data pipeline, a task per shard, at most one per CPU: the work is
+    CPU-bound, and on a 2-CPU machine a pool of READ_CPUS tasks (eight) ran 4x slower, starting Ray
+    workers that add no speed. READ_CPUS each still, so the tasks never wait on CPUs that model
+    workers hold. Returns the rows written per split."""
+    for target in targets.values():
+        fs, path = storage.filesystem(target)
+        fs.makedirs(path, exist_ok=True)
+    cpus = max(1, int(cluster.Resources.of_cluster().cpus))
+    work = shards(splits, cpus)
+    pipeline = (
+        ray.data.from_items([{"shard": i} for i in range(len(work))], override_num_blocks=len(work))
+        .map_batches(write_shards(work, splits["train"].schema, tokenizer, targets), batch_size=1,
+                     batch_format="pandas", num_cpus=cluster.READ_CPUS,
+                     compute=ray.data.TaskPoolStrategy(size=min(len(work), cpus)))
     )
-    return sum(file["rows"] for file in written)
+    # Ray Data reserves object-store memory per operator and, until it has measured a task's output,
+    # admitted one task at a time here (the second started ~1 s after the first, on every run). These
+    # tasks return one row count each: there is nothing to reserve.
+    pipeline.context.op_resource_reservation_enabled = False
+    written = pipeline.take_all()
+    return {name: sum(shard["rows"] for shard in written if shard["split"] == name) for name in SPLITS}
 
 
 @task(cache_policy=INPUTS - "splits" - "model_name_or_path" - "ray_address", persist_result=True)
@@ -120,7 +100,7 @@ def tokenize(
     cluster.connect(ray_address)
     tokenizer = truncating(load_tokenizer(model_name_or_path), key.max_length)
     uris = {name: storage.join(key.target, name) for name in SPLITS}
-    rows = {name: _tokenize_split(splits[name], tokenizer, uris[name]) for name in SPLITS}
+    rows = _tokenize_splits(splits, tokenizer, uris)
     for name in SPLITS:
         if rows[name] != splits[name].total_rows:  # a file changed since it was checked
             raise RuntimeError(f"{name}: wrote {rows[name]} rows, but its files held {splits[name].total_rows} when checked")

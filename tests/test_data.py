@@ -6,7 +6,7 @@ import pandas as pd
 import pytest
 
 from conftest import BUCKET, write_jsonl
-from tasks import storage
+from tasks import data, storage
 from tasks.config import DataConfig
 from tasks.data import CHUNK_ROWS, DataError, Split, labelled_frames, load_split, load_splits
 
@@ -24,9 +24,10 @@ def write(frame: pd.DataFrame, path, fmt: str):
 
 
 def rows_of(split: Split) -> pd.DataFrame:
-    """The split's rows as the workers read them: text, label id, and the global row number."""
-    frames = [frame.set_axis(frame.index + first, axis=0)
-              for uri, first in zip(split.uris, split.first_rows) for frame in labelled_frames(uri, split.schema)]
+    """The split's rows as the workers read them, piece by piece: text, label id, and the row number
+    in the split."""
+    frames = [frame.set_axis(frame.index - piece.file_row + piece.first_row, axis=0)
+              for piece in split.pieces for frame in labelled_frames(piece.uri, split.schema, piece=piece)]
     return pd.concat(frames)
 
 
@@ -34,7 +35,7 @@ def rows_of(split: Split) -> pd.DataFrame:
 def test_every_format_reads_the_same_rows(tmp_path, fmt):
     path = write(pd.DataFrame(ROWS), tmp_path / f"train.{fmt}", fmt)
     split = load_split("train", str(path), DataConfig())
-    assert split.uris == (str(path),) and split.rows == (3,) and split.classes == {0, 1}
+    assert split.uris == (str(path),) and split.total_rows == 3 and split.classes == {0, 1}
     rows = rows_of(split)
     assert rows["text"].tolist() == [r["text"] for r in ROWS]
     assert rows["label"].tolist() == [1, 0, 1]
@@ -76,7 +77,7 @@ def test_a_split_is_directories_globs_and_lists_of_them(tmp_path):
     split = load_split("train", inputs, DataConfig())
     assert [uri.removeprefix(str(tmp_path / "here")) for uri in split.uris] == [
         "/dir/a.jsonl", "/dir/b.csv", "/dir/c.parquet", "/extra/d.tsv"]
-    assert split.rows == (3, 3, 3, 1) and split.first_rows == [0, 3, 6, 9] and split.total_rows == 10
+    assert [(piece.rows, piece.first_row) for piece in split.pieces] == [(3, 0), (3, 3), (3, 6), (1, 9)]
     rows = rows_of(split)
     assert rows.index.tolist() == list(range(10))
     assert rows["text"].tolist() == expected["text"].tolist() and rows["label"].tolist() == expected["label"].tolist()
@@ -99,6 +100,26 @@ def test_problems_past_the_first_chunk_name_the_row_in_the_file(tmp_path):
     texts[CHUNK_ROWS + 3] = " "
     path = write(pd.DataFrame({"text": texts, "label": 1}), tmp_path / "train.parquet", "parquet")
     with pytest.raises(DataError, match=f"empty texts at rows \\[{CHUNK_ROWS + 3}\\]"):
+        load_split("train", str(path), DataConfig())
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_a_file_read_in_pieces_gives_every_row_once(tmp_path, monkeypatch, fmt):
+    """JSONL cut by bytes (a line belongs to the piece it starts in), Parquet by row groups: one big
+    file is read by many tasks. Errors still name the row in the file."""
+    monkeypatch.setattr(data, "PIECE_BYTES", 300)
+    rows = pd.DataFrame({"text": [f"review {i}" + "!" * (i % 7) for i in range(200)], "label": [i % 3 % 2 for i in range(200)]})
+    path = tmp_path / f"train.{fmt}"
+    rows.to_parquet(path, row_group_size=16) if fmt == "parquet" else write(rows, path, fmt)
+    split = load_split("train", str(path), DataConfig())
+    assert len(split.pieces) > 5 and split.total_rows == 200
+    read = rows_of(split)
+    assert read.index.tolist() == list(range(200))
+    assert read["text"].tolist() == rows["text"].tolist() and read["label"].tolist() == rows["label"].tolist()
+
+    rows.loc[150, "text"] = " "
+    rows.to_parquet(path, row_group_size=16) if fmt == "parquet" else write(rows, path, fmt)
+    with pytest.raises(DataError, match=f"{path}: column 'text' has empty texts at rows \\[150\\]"):
         load_split("train", str(path), DataConfig())
 
 

@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 from prefect import flow
 
 from conftest import read_jsonl
-from tasks import storage
+from tasks import data, storage
 from tasks.config import DataConfig
 from tasks.data import load_splits
 from tasks.storage import MARKER
@@ -48,7 +48,8 @@ def test_same_content_elsewhere_hits_the_cache(ray_cluster, tiny_model, small_da
         assert max(len(ids) for ids in table["input_ids"].to_pylist()) == max_length
 
 
-def test_split_of_many_files_tokenizes_exactly_its_rows(ray_cluster, tiny_model, small_data, tmp_path):
+def test_split_of_many_files_tokenizes_exactly_its_rows(ray_cluster, tiny_model, small_data, tmp_path, monkeypatch):
+    monkeypatch.setattr(data, "PIECE_BYTES", 500)  # the JSONL file and the Parquet file in pieces too
     inputs, expected = mixed_split(tmp_path / "data", read_jsonl(small_data["train"]))
     splits = load_splits(DataConfig(train_uri=inputs, validation_uri=[str(small_data["validation"])],
                                     test_uri=str(small_data["test"])))
@@ -59,7 +60,9 @@ def test_split_of_many_files_tokenizes_exactly_its_rows(ray_cluster, tiny_model,
     assert table["row"].to_pylist() == list(range(len(expected)))
     assert table["label"].to_pylist() == expected["label"].tolist()
     assert table["input_ids"].to_pylist() == tokenizer(expected["text"].tolist(), truncation=True, max_length=32)["input_ids"]
-    assert len(list(Path(uris["train"]).glob("*.parquet"))) == 4, "each file tokenized by a task of its own"
+    assert len(splits["train"].pieces) > 4
+    cpus = int(ray_cluster.cluster_resources()["CPU"])
+    assert len(list(Path(uris["train"]).glob("*.parquet"))) == cpus, "the pieces shared out, a task per CPU"
 
 
 def test_shards_without_their_marker_are_tokenized_again(ray_cluster, tiny_model, small_data, tmp_path):
