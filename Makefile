@@ -7,7 +7,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup run test bench
+.PHONY: setup browser run test bench stack-up stack-down
 setup: $(VENV)/.installed
 
 # torch first (the pinned CPU/CUDA build), then the locked set as is, then ftflow itself.
@@ -21,5 +21,19 @@ $(VENV)/.installed: pyproject.toml requirements.lock
 run: setup
 	$(PY) -m flows.finetune
 
-test: setup
+# Debian's Chromium, for the test that drives the Prefect UI (tests/test_stack.py): installed when
+# missing and this user may (root, as in CI); otherwise that test says what to install.
+browser:
+	@command -v chromium >/dev/null || [ "$$(id -u)" != 0 ] || { apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
+
+test: setup browser
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The local stack (infra/local/stack.py): Prefect server + UI on 127.0.0.1:4200, a Ray head, and
+# the runner serving deployments/ (scheduled retraining, on-demand batch inference).
+stack-up: setup
+	$(PY) infra/local/stack.py up
+
+stack-down:
+	$(PY) infra/local/stack.py down

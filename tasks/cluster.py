@@ -22,7 +22,16 @@ def connect(address: str | None = None) -> None:
     if address:
         ray.init(address=address)
     else:
-        ray.init(include_dashboard=False, configure_logging=False)
+        # "local": a plain ray.init() joins the last `ray start` cluster on this machine, and hangs
+        # when that one has stopped (its address file outlives it).
+        ray.init(address="local", include_dashboard=False, configure_logging=False)
+
+
+def describe() -> dict:
+    """The cluster this process is connected to, as a run's manifest records it."""
+    resources = Resources.of_cluster()
+    return {"gcs_address": ray.get_runtime_context().gcs_address, "nodes": len(ray.nodes()),
+            "cpus": resources.cpus, "gpus": resources.gpus}
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from importlib.metadata import version
 
 from prefect import task
 
-from tasks import storage
+from tasks import cluster, storage
 
 PACKAGES = ("torch", "transformers", "tokenizers", "deepspeed", "ray", "prefect", "pyarrow", "fsspec", "s3fs")
 
@@ -26,6 +26,7 @@ def write_manifest(manifest_uri: str, config: dict, data: dict, outputs: dict, m
             "completed_at": datetime.now(timezone.utc).isoformat(),
             "config": config,
             "versions": versions(),
+            "cluster": cluster.describe(),
             "data": data,
             "outputs": outputs,
             "metrics": metrics,

@@ -34,6 +34,9 @@ from tasks.config import TrainConfig
 
 STATE_FILE = "training_state.json"  # per-epoch history and the engine's validation predictions
 PROGRESS_EVERY = 50  # steps between progress lines from rank 0
+# Carried by every training task run: a Prefect concurrency limit on this tag (deployments/) keeps
+# two training runs from competing for one Ray cluster.
+TRAINING_TAG = "ray-training"
 # glibc raises its mmap threshold to 32 MiB after the first large free, so tensors up to that size
 # are then carved from the heap and fragment it: ZeRO-3's per-layer gathers grew a CPU worker's RSS
 # by ~200 MiB in 4 steps. A fixed threshold hands every freed tensor above 64 KiB back to the OS, at
@@ -363,7 +366,7 @@ def train_worker(config: dict) -> None:
              export_model=(tokenizer, cfg.zero_stage, final))
 
 
-@task
+@task(tags=[TRAINING_TAG])
 def train(
     tokenized: dict[str, str],
     model_name_or_path: str,

@@ -1,0 +1,58 @@
+"""ftflow's Prefect deployments, defined once: served by the local stack (deployments/serve.py) or
+registered with a work pool for a cluster (deployments/deploy.py).
+
+    finetune/retrain       on the schedule in retrain.yaml (cron, time zone), with its parameters
+    batch_infer/on-demand  no schedule: runs are triggered from the UI, the CLI or the API
+
+Training runs hold a Ray cluster's CPUs or GPUs for a long time, so the `train` task carries the
+tag tasks.train.TRAINING_TAG and a Prefect concurrency limit of 1 on that tag (limit_training)
+queues a second training run until the first one's training is done.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+from prefect.client.orchestration import get_client
+from prefect.deployments.runner import EntrypointType, RunnerDeployment
+from prefect.schedules import Cron
+
+from flows.batch_infer import batch_infer
+from flows.finetune import finetune
+from tasks.config import FinetuneParams
+from tasks.train import TRAINING_TAG
+
+RETRAIN_CONFIG = Path(__file__).with_name("retrain.yaml")
+
+
+def retrain_parameters(config: dict) -> dict:
+    """The file's parameters, checked as FinetuneParams now (a bad file fails before anything is
+    served), kept as written: what it leaves out is filled in where the run executes, so no path of
+    the machine that deployed leaks into a cluster's runs."""
+    params = FinetuneParams.model_validate(config.get("parameters") or {})
+    return {"params": params.model_dump(mode="json", exclude_unset=True)}
+
+
+def deployments(config_path: Path = RETRAIN_CONFIG) -> list[RunnerDeployment]:
+    """Entry points by module path (flows.finetune.finetune): ftflow is installed wherever its flows
+    run (the local venv, the image), so a worker imports them with no code download or image build."""
+    config = yaml.safe_load(config_path.read_text())
+    return [
+        finetune.to_deployment(
+            name=config["name"],
+            schedule=Cron(config["cron"], timezone=config["timezone"]),
+            parameters=retrain_parameters(config),
+            tags=["training"],
+            description=f"Scheduled retraining ({config['cron']}, {config['timezone']}); parameters from {config_path.name}.",
+            entrypoint_type=EntrypointType.MODULE_PATH,
+        ),
+        batch_infer.to_deployment(name="on-demand", tags=["inference"], entrypoint_type=EntrypointType.MODULE_PATH,
+                                  description="Label a corpus with a trained model, when asked."),
+    ]
+
+
+def limit_training(limit: int = 1) -> None:
+    """At most `limit` training tasks at once on the server's runs (creating it again updates it)."""
+    with get_client(sync_client=True) as client:
+        client.create_concurrency_limit(tag=TRAINING_TAG, concurrency_limit=limit)

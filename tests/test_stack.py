@@ -1,0 +1,119 @@
+"""The local stack as a person uses it: `make stack-up`, the Prefect UI in headless Chromium, a run
+of the retraining deployment with a changed parameter, its artifacts, the schedule; `make stack-down`.
+
+The screenshot of the finished run lands in test-artifacts/ (FTFLOW_TEST_ARTIFACTS).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from playwright.sync_api import expect, sync_playwright
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterDeploymentId, FlowRunFilterId
+from prefect.deployments import run_deployment
+from prefect.settings import PREFECT_API_URL, temporary_settings
+
+from conftest import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+SCREENSHOTS = Path(os.environ.get("FTFLOW_TEST_ARTIFACTS", ROOT / "test-artifacts"))
+RUN_TIMEOUT_MS = 600_000
+
+
+def stack(command: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "infra/local/stack.py", command], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture
+def local_stack(tmp_path):
+    """`make stack-up` on free ports with its state and artifacts under tmp_path; stopped after,
+    checking that every process it started is gone."""
+    env = {**os.environ, "FTFLOW_STACK_DIR": str(tmp_path / "stack"), "FTFLOW_PREFECT_PORT": str(free_port()),
+           "FTFLOW_RAY_PORT": str(free_port()), "FTFLOW_STORAGE_ROOT": str(tmp_path / "store")}
+    started = stack("up", env)
+    try:
+        assert started.returncode == 0, started.stdout + started.stderr
+        yield f"http://127.0.0.1:{env['FTFLOW_PREFECT_PORT']}"
+    finally:
+        pids = [int(p.read_text()) for p in (tmp_path / "stack").glob("*.pid")]
+        stopped = stack("down", env)
+        assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+        assert not [pid for pid in pids if Path(f"/proc/{pid}").exists()], "stack-down left processes running"
+
+
+def test_a_run_triggered_from_the_ui_completes_with_its_artifacts(local_stack, tiny_model):
+    assert shutil.which("chromium"), "this test drives Debian's chromium: apt-get install chromium (make test does, as root)"
+    ui = local_stack
+    # A second training run at the same time, from the API: the concurrency limit must queue one.
+    with temporary_settings({PREFECT_API_URL: f"{ui}/api"}):
+        other = run_deployment("finetune/retrain", parameters={"params": {"model": {"name_or_path": str(tiny_model)}}},
+                               timeout=0)
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=shutil.which("chromium"), args=["--no-sandbox"])
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        try:
+            from_ui_id = run_from_the_ui(page, ui, tiny_model)
+        except Exception:
+            page.screenshot(path=SCREENSHOTS / "failure.png", full_page=True)  # what the browser showed
+            (SCREENSHOTS / "failure.html").write_text(page.content())
+            raise
+        finally:
+            browser.close()
+
+    with temporary_settings({PREFECT_API_URL: f"{ui}/api"}), get_client(sync_client=True) as client:
+        deployment = client.read_deployment_by_name("finetune/retrain")
+        assert not deployment.paused and [s.active for s in deployment.schedules] == [True], "the schedule is active"
+        runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(deployment_id=FlowRunFilterDeploymentId(any_=[deployment.id])))
+        assert sorted(str(run.id) for run in runs) == sorted([from_ui_id, str(other.id)])
+        from_ui = client.read_flow_run(from_ui_id)
+        assert from_ui.parameters["params"]["model"]["name_or_path"] == str(tiny_model), "the form's value reached the run"
+        assert from_ui.state.is_completed()
+        other = client.read_flow_run(other.id)
+        for _ in range(RUN_TIMEOUT_MS // 2000):
+            if other.state.is_final():
+                break
+            time.sleep(2)
+            other = client.read_flow_run(other.id)
+        assert other.state.is_completed()
+        both = FlowRunFilter(id=FlowRunFilterId(any_=[from_ui.id, other.id]))
+        trainings = sorted((t.start_time, t.end_time) for t in client.read_task_runs(flow_run_filter=both)
+                           if t.task_key.startswith("train"))
+        assert len(trainings) == 2 and trainings[0][1] <= trainings[1][0], "two training runs overlapped"
+
+
+def run_from_the_ui(page, ui: str, tiny_model) -> str:
+    """As a person would: find the deployment, check its schedule, start a custom run with the
+    tiny model, follow it to completion, open its artifacts. Returns the run's id."""
+    page.goto(f"{ui}/deployments")
+    page.get_by_text("retrain", exact=True).click()
+    expect(page.get_by_text("At 03:00 AM, only on Monday")).to_be_visible()
+
+    page.get_by_role("button", name="Run", exact=True).click()
+    page.get_by_text("Custom run").click()
+    model = page.locator(".schema-form-property", has=page.get_by_text("Name Or Path (Optional)", exact=True)).last
+    model.locator("textarea, input").first.fill(str(tiny_model))
+    page.get_by_role("button", name="Submit").click()
+
+    # The toast's "View run": its slide animation never lets the button hold still for Playwright's
+    # click, so the click event is sent to the button itself.
+    page.get_by_role("button", name="View run").first.dispatch_event("click")
+    page.wait_for_url("**/runs/flow-run/**")
+    run_id = page.url.split("/runs/flow-run/")[1].split("?")[0]
+    state = page.locator(".page-heading-flow-run .state-badge").first  # the run's, in the page heading
+    expect(state).to_have_text(re.compile("Completed|Failed|Crashed|Cancelled"), timeout=RUN_TIMEOUT_MS)
+    expect(state).to_have_text("Completed")
+    page.get_by_text("Artifacts", exact=True).click()
+    for key in ("test-metrics", "confusion-matrix", "batch-inference-throughput"):
+        expect(page.get_by_text(key).first).to_be_visible()
+    page.screenshot(path=SCREENSHOTS / "finetune-run-from-the-ui.png", full_page=True)
+    return run_id
