@@ -14,6 +14,7 @@ from tasks.data import load_splits
 from tasks.evaluate import evaluate
 from tasks.infer import predict_files
 from tasks.manifest import write_manifest
+from tasks.registry import promote
 from tasks.storage import RunStore
 from tasks.tokenize import load_tokenizer, tokenize, tokenize_key
 from tasks.train import train
@@ -35,6 +36,7 @@ def finetune(params: FinetuneParams = FinetuneParams()) -> dict:
     history = train(tokenized, params.model.name_or_path, params.model.max_length, params.data.label_names,
                     params.train, store.base, params.ray_address)
     metrics = evaluate(store.model_dir, splits["test"], store.metrics)
+    promotion = promote(store.model_dir, metrics, splits["test"], params.promotion, params.storage_root, store.run_id)
     predictions = predict_files(store.model_dir, params.inference.input_uri or list(splits["test"].uris), store.predictions,
                                 params.inference.text_column or params.data.text_column, params.inference.id_column,
                                 params.inference.batch_size, params.ray_address, params.inference.window_rows)
@@ -45,9 +47,10 @@ def finetune(params: FinetuneParams = FinetuneParams()) -> dict:
         data={"splits": {n: {"uris": list(s.uris), "sha256": s.sha256, "rows": s.total_rows} for n, s in splits.items()},
               "tokenize_key": key.model_dump()},
         outputs={"tokenized": tokenized, "model": store.model_dir, "metrics": store.metrics, "predictions": predictions},
-        metrics={"test": metrics, "training": history},
+        metrics={"test": metrics, "training": history, "promotion": promotion},
     )
-    return {"run_id": store.run_id, "run_dir": store.base, "test_accuracy": metrics["accuracy"], "metrics": metrics}
+    return {"run_id": store.run_id, "run_dir": store.base, "test_accuracy": metrics["accuracy"], "metrics": metrics,
+            "promoted": promotion["promoted"]}
 
 
 if __name__ == "__main__":

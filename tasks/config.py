@@ -115,11 +115,21 @@ class InferenceConfig(BaseModel):
     window_rows: int = Field(WINDOW_ROWS, ge=1, description="Rows sorted by length and labelled together: with batch_size, bounds memory per actor.")
 
 
+class PromotionConfig(BaseModel):
+    """The gate after evaluation: which registry entry the model competes for, and how."""
+
+    model_name: str = Field("sentiment", pattern=r"^[A-Za-z0-9._-]+$",
+                            description="Registry entry: <storage_root>/models/<name>/champion; batch_infer takes models/<name>@champion.")
+    metric: Literal["accuracy", "macro_f1"] = Field("accuracy", description="Test metric compared with the champion's, on the same test split.")
+    margin: float = Field(0.0, ge=-1, le=1, description="Promote when metric >= champion's + margin (negative: accept a small loss).")
+
+
 class FinetuneParams(BaseModel):
     data: DataConfig = DataConfig()
     model: ModelConfig = ModelConfig()
     train: TrainConfig = TrainConfig()
     inference: InferenceConfig = InferenceConfig()
+    promotion: PromotionConfig = PromotionConfig()
     storage_root: str = Field(
         default_factory=default_storage_root,
         description="Local folder or s3://bucket/prefix holding runs/, tokenized/ and models.",

@@ -33,9 +33,8 @@ def confusion_markdown(metrics: dict) -> str:
     return "\n".join(lines)
 
 
-@task
-def evaluate(model_uri: str, test: Split, metrics_uri: str) -> dict:
-    """Accuracy, macro F1 and the confusion matrix on the test split -> metrics.json + artifacts."""
+def score(model_uri: str, test: Split) -> dict:
+    """Accuracy, macro F1 and the confusion matrix of a model on a split, streamed a chunk at a time."""
     predictor = Predictor(model_uri)
     ids = list(range(len(predictor.label_names)))
     confusion = np.zeros((len(ids), len(ids)), dtype=np.int64)
@@ -43,7 +42,13 @@ def evaluate(model_uri: str, test: Split, metrics_uri: str) -> dict:
         for frame in labelled_frames(uri, test.schema):  # a chunk at a time, never the whole split
             predicted, _ = predictor.predict(frame["text"].tolist())
             confusion += confusion_matrix(frame["label"], predicted, labels=ids)
-    metrics = metrics_of(confusion, predictor.label_names)
+    return metrics_of(confusion, predictor.label_names)
+
+
+@task
+def evaluate(model_uri: str, test: Split, metrics_uri: str) -> dict:
+    """Accuracy, macro F1 and the confusion matrix on the test split -> metrics.json + artifacts."""
+    metrics = score(model_uri, test)
     storage.write_json(metrics_uri, metrics)
     create_table_artifact(
         key="test-metrics",

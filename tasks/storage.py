@@ -6,6 +6,7 @@
     <root>/runs/<run_id>/metrics.json
     <root>/runs/<run_id>/predictions/*.parquet, _SUCCESS.json written last: no marker, no result
     <root>/runs/<run_id>/manifest.json                 written last: no manifest, no result
+    <root>/models/<name>/champion                      the promoted model's URI, replaced in one write
 
 S3 endpoint and credentials come from the environment (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...)
 as boto reads them; they are never copied into a path, a log line or an artifact.
@@ -55,6 +56,21 @@ def write_json(uri: str, payload: Any) -> None:
     fs.makedirs(fs._parent(path), exist_ok=True)
     with fs.open(path, "w") as f:
         json.dump(payload, f, indent=2, sort_keys=True, default=str)
+
+
+def replace_json(uri: str, payload: Any) -> None:
+    """Write JSON that readers see whole, old or new, never in part: a local file is written aside
+    and renamed over the old one (os.replace is atomic); an object store replaces an object in one PUT."""
+    fs, path = filesystem(uri)
+    data = json.dumps(payload, indent=2, sort_keys=True, default=str).encode()
+    if is_remote(uri):
+        fs.pipe_file(path, data)
+        return
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    aside = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    aside.write_bytes(data)
+    os.replace(aside, target)
 
 
 def read_json(uri: str) -> Any:

@@ -1,0 +1,67 @@
+"""Stage 3b: the promotion gate, and the model registry it keeps in storage.
+
+    <root>/models/<name>/champion   JSON: the champion's model URI, its run, its score on the test split
+
+A new model is compared with the current champion on the same test split: the champion is scored
+again on the split this run evaluated, so a changed split favours neither. It is promoted only when
+its metric is at least the champion's plus the margin, by replacing the pointer in one write
+(readers see the old champion or the new one, never a mix). A model that loses leaves the pointer
+untouched, and the decision says why.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime, timezone
+
+from prefect import get_run_logger, task
+from prefect.artifacts import create_markdown_artifact
+
+from tasks import storage
+from tasks.config import PromotionConfig
+from tasks.data import Split
+from tasks.evaluate import score
+
+CHAMPION_REF = re.compile(r"^models/(?P<name>[A-Za-z0-9._-]+)@champion$")
+
+
+def champion_pointer(root: str, name: str) -> str:
+    return storage.join(storage.normalize(root), "models", name, "champion")
+
+
+def resolve(model_uri: str, root: str) -> str:
+    """`models/<name>@champion` -> the champion's model URI under `root`; any other URI as it is."""
+    match = CHAMPION_REF.match(model_uri)
+    if not match:
+        return model_uri
+    pointer = champion_pointer(root, match["name"])
+    if not storage.exists(pointer):
+        raise ValueError(f"{model_uri}: no champion at {pointer} (a finetune run with promotion.model_name="
+                         f"'{match['name']}' and storage_root='{root}' promotes one)")
+    return storage.read_json(pointer)["model_uri"]
+
+
+@task
+def promote(model_uri: str, metrics: dict, test: Split, cfg: PromotionConfig, root: str, run_id: str) -> dict:
+    """Make model_uri the champion of cfg.model_name if it is at least as good; the decision, with why."""
+    pointer = champion_pointer(root, cfg.model_name)
+    current = storage.read_json(pointer) if storage.exists(pointer) else None
+    challenger = metrics[cfg.metric]
+    if current is None:
+        champion, promoted, why = None, True, "no champion yet"
+    else:
+        champion = score(current["model_uri"], test)[cfg.metric]
+        promoted = challenger >= champion + cfg.margin
+        why = (f"{cfg.metric} {challenger:.4f} {'>=' if promoted else '<'} the champion's {champion:.4f} "
+               f"+ margin {cfg.margin:g}, on the same test split")
+    if promoted:
+        storage.replace_json(pointer, {"model_uri": model_uri, "run_id": run_id, "metric": cfg.metric, "value": challenger,
+                                       "test_sha256": test.sha256, "promoted_at": datetime.now(timezone.utc).isoformat()})
+    decision = {"promoted": promoted, "reason": why, "model_name": cfg.model_name, "metric": cfg.metric,
+                "challenger": challenger, "champion": champion, "previous_champion_uri": current and current["model_uri"],
+                "pointer": pointer}
+    verdict = f"promoted to champion of `{cfg.model_name}`" if promoted else f"not promoted: `{cfg.model_name}`'s champion stays"
+    get_run_logger().info("%s (%s)", verdict.replace("`", ""), why)
+    create_markdown_artifact(key="promotion", markdown=f"### {model_uri}\n\n{verdict} ({why}).\n\nPointer: `{pointer}`\n",
+                             description="The promotion gate's decision")
+    return decision
