@@ -113,7 +113,7 @@ def run_from_the_ui(page, ui: str, tiny_model) -> str:
     expect(state).to_have_text(re.compile("Completed|Failed|Crashed|Cancelled"), timeout=RUN_TIMEOUT_MS)
     expect(state).to_have_text("Completed")
     page.get_by_text("Artifacts", exact=True).click()
-    for key in ("test-metrics", "confusion-matrix", "batch-inference-throughput"):
+    for key in ("test-metrics", "confusion-matrix", "promotion", "batch-inference-throughput"):
         expect(page.get_by_text(key).first).to_be_visible()
     page.screenshot(path=SCREENSHOTS / "finetune-run-from-the-ui.png", full_page=True)
     return run_id
