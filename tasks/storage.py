@@ -51,18 +51,22 @@ def exists(uri: str) -> bool:
     return fs.exists(path)
 
 
+def encoded_json(payload: Any) -> bytes:
+    """How ftflow writes every JSON file: indented, keys sorted, anything else as its str()."""
+    return json.dumps(payload, indent=2, sort_keys=True, default=str).encode()
+
+
 def write_json(uri: str, payload: Any) -> None:
     fs, path = filesystem(uri)
     fs.makedirs(fs._parent(path), exist_ok=True)
-    with fs.open(path, "w") as f:
-        json.dump(payload, f, indent=2, sort_keys=True, default=str)
+    fs.pipe_file(path, encoded_json(payload))
 
 
 def replace_json(uri: str, payload: Any) -> None:
     """Write JSON that readers see whole, old or new, never in part: a local file is written aside
     and renamed over the old one (os.replace is atomic); an object store replaces an object in one PUT."""
     fs, path = filesystem(uri)
-    data = json.dumps(payload, indent=2, sort_keys=True, default=str).encode()
+    data = encoded_json(payload)
     if is_remote(uri):
         fs.pipe_file(path, data)
         return
