@@ -163,7 +163,7 @@ def ftflow(model_path: str, uris: dict, max_length: int, batch: int, workers: in
            steps_to_checkpoint: int, options: dict, run_dir: str) -> dict:
     cfg = TrainConfig(batch_size=batch, num_workers=workers, cpus_per_worker=cpus_per_worker,
                       checkpoint_every_steps=steps_to_checkpoint, **options)
-    row = train(uris, model_path, max_length, LABELS, cfg, run_dir)[-1]
+    row = train(uris, model_path, max_length, LABELS, cfg, run_dir)["epochs"][-1]
     return {"samples_per_s": row["samples_per_s"], "first_step_s": row["startup_s"],
             "checkpoint_s": row["checkpoint_s"], "peak_memory_mb": row["peak_memory_mb"]}
 

@@ -15,6 +15,7 @@ from tasks.evaluate import evaluate
 from tasks.infer import predict_files
 from tasks.manifest import write_manifest
 from tasks.registry import promote
+from tasks.report import Stopwatch, publish_report
 from tasks.storage import RunStore
 from tasks.tokenize import load_tokenizer, tokenize, tokenize_key
 from tasks.train import train
@@ -31,27 +32,39 @@ def finetune(params: FinetuneParams = FinetuneParams()) -> dict:
     splits = load_splits(params.data)  # bad input stops here, before Ray or storage are touched
     key = tokenize_key(splits, load_tokenizer(params.model.name_or_path), params.model.max_length, params.storage_root)
 
-    tokenized = tokenize.with_options(refresh_cache=not key.shards_exist())(
-        key, splits, params.model.name_or_path, params.ray_address)
-    history = train(tokenized, params.model.name_or_path, params.model.max_length, params.data.label_names,
-                    params.train, store.base, params.ray_address)
-    metrics = evaluate(store.model_dir, splits["test"], store.metrics)
-    promotion = promote(store.model_dir, metrics, splits["test"], params.promotion, params.storage_root, store.run_id)
-    predictions = predict_files(store.model_dir, params.inference.input_uri or list(splits["test"].uris), store.predictions,
-                                params.inference.text_column or params.data.text_column, params.inference.id_column,
-                                params.inference.batch_size, params.ray_address, params.inference.window_rows)
+    took = Stopwatch()
+    with took("tokenize"):
+        tokenized = tokenize.with_options(refresh_cache=not key.shards_exist())(
+            key, splits, params.model.name_or_path, params.ray_address)
+    with took("train"):
+        training = train(tokenized, params.model.name_or_path, params.model.max_length, params.data.label_names,
+                         params.train, store.base, params.ray_address)
+    with took("evaluate"):
+        metrics = evaluate(store.model_dir, splits["test"], store.metrics)
+    with took("promote"):
+        promotion = promote(store.model_dir, metrics, splits["test"], params.promotion, params.storage_root, store.run_id)
+    with took("batch inference"):
+        predictions = predict_files(store.model_dir, params.inference.input_uri or list(splits["test"].uris),
+                                    store.predictions, params.inference.text_column or params.data.text_column,
+                                    params.inference.id_column, params.inference.batch_size, params.ray_address,
+                                    params.inference.window_rows)
 
+    config = params.model_dump(mode="json")
+    outputs = {"tokenized": tokenized, "checkpoints": store.train_dir, "model": store.model_dir, "metrics": store.metrics,
+               "predictions": predictions, "report": store.report, "manifest": store.manifest}
+    results = {"test": metrics, "training": training, "promotion": promotion}
+    publish_report(store, config, splits, outputs, results, took.seconds)
     write_manifest(
         store.manifest,
-        config=params.model_dump(mode="json"),
+        config=config,
         data={"splits": {n: {"uris": list(s.uris), "sha256": s.sha256, "rows": s.total_rows} for n, s in splits.items()},
               "tokenize_key": key.model_dump()},
-        outputs={"tokenized": tokenized, "model": store.model_dir, "metrics": store.metrics, "predictions": predictions},
-        metrics={"test": metrics, "training": history, "promotion": promotion},
+        outputs=outputs,
+        metrics=results,
+        seconds=took.seconds,
     )
     return {"run_id": store.run_id, "run_dir": store.base, "test_accuracy": metrics["accuracy"], "metrics": metrics,
             "promoted": promotion["promoted"]}
-
 
 if __name__ == "__main__":
     # `python -m flows.finetune [params.json]`: the embedded defaults, or FinetuneParams as JSON.

@@ -91,6 +91,8 @@ class TrainConfig(BaseModel):
     weight_decay: float = Field(0.01, ge=0, description="AdamW decay of weight matrices (not of biases and norms).")
     max_grad_norm: float = Field(1.0, ge=0, description="Gradient clipping; 0 disables it.")
     seed: int = 42
+    log_every_steps: int = Field(10, ge=1, description="Training loss and accuracy are averaged over every N optimizer steps for the report's curve.")
+    eval_every_steps: int = Field(100, ge=0, description="Also evaluate on the validation split every N optimizer steps (0: at epoch ends only).")
     checkpoint_every_steps: int = Field(0, ge=0, description="Also checkpoint the DeepSpeed state every N optimizer steps (0: at epoch ends only).")
     max_failures: int = Field(2, ge=0, description="Worker failures survived by restarting from the last checkpoint.")
     deepspeed: dict = Field({}, description="Raw DeepSpeed JSON merged over the derived one, for experts.")

@@ -19,7 +19,7 @@ def versions() -> dict[str, str]:
 
 
 @task
-def write_manifest(manifest_uri: str, config: dict, data: dict, outputs: dict, metrics: dict) -> str:
+def write_manifest(manifest_uri: str, config: dict, data: dict, outputs: dict, metrics: dict, seconds: dict) -> str:
     storage.write_json(
         manifest_uri,
         {
@@ -30,6 +30,7 @@ def write_manifest(manifest_uri: str, config: dict, data: dict, outputs: dict, m
             "data": data,
             "outputs": outputs,
             "metrics": metrics,
+            "seconds": seconds,  # wall time per stage
         },
     )
     return manifest_uri

@@ -5,6 +5,7 @@
     <root>/runs/<run_id>/model/                        consolidated Hugging Face model folder
     <root>/runs/<run_id>/metrics.json
     <root>/runs/<run_id>/predictions/*.parquet, _SUCCESS.json written last: no marker, no result
+    <root>/runs/<run_id>/report/report.md, *.png       the run report and its plots
     <root>/runs/<run_id>/manifest.json                 written last: no manifest, no result
     <root>/models/<name>/champion                      the promoted model's URI, replaced in one write
 
@@ -56,10 +57,14 @@ def encoded_json(payload: Any) -> bytes:
     return json.dumps(payload, indent=2, sort_keys=True, default=str).encode()
 
 
-def write_json(uri: str, payload: Any) -> None:
+def write_bytes(uri: str, data: bytes) -> None:
     fs, path = filesystem(uri)
     fs.makedirs(fs._parent(path), exist_ok=True)
-    fs.pipe_file(path, encoded_json(payload))
+    fs.pipe_file(path, data)
+
+
+def write_json(uri: str, payload: Any) -> None:
+    write_bytes(uri, encoded_json(payload))
 
 
 def replace_json(uri: str, payload: Any) -> None:
@@ -172,6 +177,10 @@ class RunStore:
     @property
     def predictions(self) -> str:
         return join(self.base, "predictions")
+
+    @property
+    def report(self) -> str:
+        return join(self.base, "report")
 
     @property
     def manifest(self) -> str:

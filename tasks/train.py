@@ -32,8 +32,7 @@ from transformers.integrations.deepspeed import HfDeepSpeedConfig
 from tasks import cluster, storage
 from tasks.config import TrainConfig
 
-STATE_FILE = "training_state.json"  # per-epoch history and the engine's validation predictions
-PROGRESS_EVERY = 50  # steps between progress lines from rank 0
+STATE_FILE = "training_state.json"  # per-epoch history, the curve and the engine's validation predictions
 # Carried by every training task run: a Prefect concurrency limit on this tag (deployments/) keeps
 # two training runs from competing for one Ray cluster.
 TRAINING_TAG = "ray-training"
@@ -174,48 +173,78 @@ def _to(batch: dict, device: torch.device) -> dict:
     return {k: v.to(device) for k, v in batch.items()}
 
 
+class Curve:
+    """Loss and accuracy per optimizer step, for the run report's plots: training averaged over the
+    rows of every `every` steps on all workers, validation at each evaluation. It travels in the
+    checkpoint, so a resumed run's curve has every step once."""
+
+    def __init__(self, every: int, recorded: dict, device: torch.device):
+        self.every, self.train, self.validation = every, recorded["train"], recorded["validation"]
+        # loss x rows, rows right, rows: summed on the device, read only every `every` steps (no sync per batch)
+        self.window = torch.zeros(3, dtype=torch.float64, device=device)
+
+    def add(self, loss: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor) -> None:
+        rows = torch.tensor(len(labels), dtype=torch.float64, device=labels.device)
+        self.window += torch.stack([loss.double() * rows, (logits.argmax(-1) == labels).sum().double(), rows])
+
+    def stepped(self, step: int, epoch: float) -> None:
+        if step % self.every:
+            return
+        dist.all_reduce(self.window)
+        loss_x_rows, right, rows = self.window.tolist()
+        self.window.zero_()
+        self.train.append({"step": step, "epoch": round(epoch, 4), "loss": loss_x_rows / rows, "accuracy": right / rows})
+        if dist.get_rank() == 0:
+            print(f"step {step} (epoch {epoch:.2f}): loss {loss_x_rows / rows:.4f} accuracy {right / rows:.4f}", flush=True)
+
+    def state(self) -> dict:
+        return {"train": self.train, "validation": self.validation}
+
+
 def fit_epoch(
-    engine, loader: DataLoader, epoch: int, device: torch.device, offload_activations: bool,
-    skip: int = 0, checkpoint_every: int = 0, save_midway: Callable[[int], None] | None = None,
+    engine, loader: DataLoader, epoch: int, device: torch.device, offload_activations: bool, curve: Curve,
+    skip: int = 0, after_step: Callable[[int], None] = lambda batches_done: None,
 ) -> dict:
     """One pass over this worker's shard, less the `skip` micro-batches a resumed run already did.
 
     The sampler's order depends only on seed and epoch, so skipping replays exactly where the
-    checkpoint left off. Returns the mean loss over all workers, the steady-state samples/s (after
-    the first batch, which pays one-time costs, and without checkpoint time), when the first batch
-    ended (perf_counter) and the mean seconds per midway checkpoint.
+    checkpoint left off. `after_step(batches done)` runs after every optimizer step (evaluations,
+    checkpoints). Returns the mean loss over all workers, the steady-state samples/s (after the first
+    batch, which pays one-time costs, and without the time spent in after_step) and when the first
+    batch ended (perf_counter).
     """
     loader.sampler.set_epoch(epoch)
     engine.train()
-    loss_sum, batches, samples, saves = torch.zeros(1), 0, 0, []
+    loss_sum, batches, samples, paused = torch.zeros(1), 0, 0, 0.0
     first_done = time.perf_counter()
     for batch in islice(loader, skip, None):
+        batch = _to(batch, device)
         # save_on_cpu keeps the tensors autograd saves for backward in host memory until needed.
         with torch.autograd.graph.save_on_cpu(pin_memory=True) if offload_activations else nullcontext():
-            loss = engine(**_to(batch, device)).loss
-            engine.backward(loss)
+            output = engine(**batch)
+            engine.backward(output.loss)
         steps_before = engine.global_steps
         engine.step()  # an optimizer step only at the end of an accumulation cycle
-        loss_sum += loss.detach().float().cpu()
+        loss_sum += output.loss.detach().float().cpu()
+        curve.add(output.loss.detach(), output.logits.detach(), batch["labels"])
         batches += 1
         if batches == 1:
             first_done = time.perf_counter()
         else:
             samples += len(batch["labels"])
-        if batches % PROGRESS_EVERY == 0 and dist.get_rank() == 0:
-            print(f"epoch {epoch + 1} batch {skip + batches}/{len(loader)} loss {loss_sum.item() / batches:.4f}", flush=True)
-        if checkpoint_every and engine.global_steps != steps_before and engine.global_steps % checkpoint_every == 0:
+        if engine.global_steps != steps_before:
             started = time.perf_counter()
-            save_midway(skip + batches)
-            saves.append(time.perf_counter() - started)
-    elapsed = time.perf_counter() - first_done - sum(saves)
+            curve.stepped(engine.global_steps, epoch + (skip + batches) / len(loader))
+            after_step(skip + batches)
+            engine.train()  # after_step may have evaluated
+            paused += time.perf_counter() - started
+    elapsed = time.perf_counter() - first_done - paused
     totals = torch.tensor([loss_sum.item(), batches, samples], dtype=torch.float64)
     dist.all_reduce(totals)
     return {
         "train_loss": totals[0].item() / max(totals[1].item(), 1),
         "samples_per_s": totals[2].item() / elapsed if elapsed > 0 else 0.0,
         "first_batch_done": first_done,
-        "checkpoint_s": sum(saves) / len(saves) if saves else None,
     }
 
 
@@ -266,7 +295,7 @@ def peak_memory_mb(device: torch.device) -> float:
 def save(engine, position: dict, metrics: dict, export_model: tuple | None = None) -> None:
     """Report a checkpoint from every rank: the DeepSpeed engine state (each rank writes its own
     ZeRO shards, Ray gathers them into one checkpoint) and, at epoch ends, the exported model.
-    `position` (epoch, micro-batches done, per-epoch history) travels inside the engine state."""
+    `position` (epoch, micro-batches done, per-epoch history, the curve) travels inside the engine state."""
     with tempfile.TemporaryDirectory() as tmp:
         engine.save_checkpoint(f"{tmp}/{ENGINE_DIR}", tag="state", client_state={"position": position})
         if export_model:
@@ -280,7 +309,7 @@ def resume(engine) -> dict:
     retry or a re-run with the same run id); return its position, or the start of training."""
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is None:
-        return {"epoch": 0, "batches_done": 0, "history": []}
+        return {"epoch": 0, "batches_done": 0, "history": [], "curve": {"train": [], "validation": []}}
     with checkpoint.as_directory() as folder:
         _, client_state = engine.load_checkpoint(f"{folder}/{ENGINE_DIR}", tag="state")
     position = client_state["position"]
@@ -310,8 +339,8 @@ def param_groups(model) -> list[dict]:
     return [{"params": [p for _, p in named if p.ndim > 1]}, {"params": [p for _, p in named if p.ndim <= 1], "weight_decay": 0.0}]
 
 
-def train_worker(config: dict) -> None:
-    started = time.perf_counter()
+def setup(config: dict) -> tuple:
+    """This worker's part: the process group, the data loaders and the DeepSpeed engine."""
     import deepspeed  # imported in the worker: it probes the accelerator at import
 
     warnings.filterwarnings("ignore", category=FutureWarning)  # torch.distributed renames used by DeepSpeed
@@ -335,34 +364,52 @@ def train_worker(config: dict) -> None:
     ds_config = deepspeed_config(cfg, plan, total_steps, hidden_size)
     model = build_model(config, cfg, ds_config)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model), config=ds_config)
+    return cfg, device, tokenizer, train_loader, val_loader, engine
 
+
+def train_worker(config: dict) -> None:
+    started = time.perf_counter()
+    cfg, device, tokenizer, train_loader, val_loader, engine = setup(config)
     position = resume(engine)
     start_epoch, history, resumed_from = position["epoch"], position["history"], engine.global_steps
-    for epoch in range(start_epoch, cfg.epochs):
-        def save_midway(batches_done: int, epoch: int = epoch) -> None:
-            metrics = {"epoch": epoch + batches_done / len(train_loader), "step": engine.global_steps}
-            save(engine, {"epoch": epoch, "batches_done": batches_done, "history": history}, metrics)
+    curve = Curve(cfg.log_every_steps, position["curve"], device)
 
-        fitted = fit_epoch(
-            engine, train_loader, epoch, device, cfg.activation_offload,
-            position["batches_done"] if epoch == start_epoch else 0, cfg.checkpoint_every_steps, save_midway,
-        )
-        val_loss, val_accuracy, predictions = validate(engine, val_loader, device)
+    def evaluated(epoch: float) -> list[int]:
+        loss, accuracy, predictions = validate(engine, val_loader, device)
+        curve.validation.append({"step": engine.global_steps, "epoch": round(epoch, 4), "loss": loss, "accuracy": accuracy})
+        return predictions
+
+    for epoch in range(start_epoch, cfg.epochs):
+        checkpoint_seconds = []
+
+        def after_step(batches_done: int, epoch: int = epoch) -> None:
+            step, progress = engine.global_steps, epoch + batches_done / len(train_loader)
+            if cfg.eval_every_steps and step % cfg.eval_every_steps == 0 and batches_done < len(train_loader):
+                evaluated(progress)  # the epoch's end is evaluated below
+            if cfg.checkpoint_every_steps and step % cfg.checkpoint_every_steps == 0:
+                saving_from = time.perf_counter()
+                midway = {"epoch": epoch, "batches_done": batches_done, "history": history, "curve": curve.state()}
+                save(engine, midway, {"epoch": progress, "step": step})
+                checkpoint_seconds.append(time.perf_counter() - saving_from)
+
+        fitted = fit_epoch(engine, train_loader, epoch, device, cfg.activation_offload, curve,
+                           position["batches_done"] if epoch == start_epoch else 0, after_step)
+        predictions = evaluated(epoch + 1)
         history.append({
             "epoch": epoch + 1,
             "step": engine.global_steps,
             "resumed_from_step": resumed_from,
             "train_loss": fitted["train_loss"],
-            "val_loss": val_loss,
-            "val_accuracy": val_accuracy,
+            "val_loss": curve.validation[-1]["loss"],
+            "val_accuracy": curve.validation[-1]["accuracy"],
             "samples_per_s": fitted["samples_per_s"],
             "peak_memory_mb": peak_memory_mb(device),
             # this attempt's start-up (model load, engine build, first batch), in its first epoch only
             "startup_s": fitted["first_batch_done"] - started if epoch == start_epoch else None,
-            "checkpoint_s": fitted["checkpoint_s"],
+            "checkpoint_s": sum(checkpoint_seconds) / len(checkpoint_seconds) if checkpoint_seconds else None,
         })
-        final = {"history": history, "validation_predictions": predictions}
-        save(engine, {"epoch": epoch + 1, "batches_done": 0, "history": history}, history[-1],
+        final = {"history": history, "curve": curve.state(), "validation_predictions": predictions}
+        save(engine, {"epoch": epoch + 1, "batches_done": 0, "history": history, "curve": curve.state()}, history[-1],
              export_model=(tokenizer, cfg.zero_stage, final))
 
 
@@ -375,8 +422,9 @@ def train(
     cfg: TrainConfig,
     run_dir: str,
     ray_address: str | None = None,
-) -> list[dict]:
-    """Fine-tune on the tokenized splits; the consolidated model lands in <run_dir>/model."""
+) -> dict:
+    """Fine-tune on the tokenized splits; the consolidated model lands in <run_dir>/model.
+    Returns the per-epoch history ("epochs") and the loss and accuracy per step ("curve")."""
     logger = get_run_logger()
     cluster.connect(ray_address)
     resources = cluster.Resources.of_cluster()
@@ -408,13 +456,13 @@ def train(
     result = trainer.fit()
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(result.checkpoint.to_directory(tmp)) / MODEL_DIR
-        history = json.loads((model_dir / STATE_FILE).read_text())["history"]
+        state = json.loads((model_dir / STATE_FILE).read_text())
         storage.upload_dir(model_dir, storage.join(run_dir, "model"))
-    for row in history:
+    for row in state["history"]:
         logger.info(
             "epoch %d step %d: train_loss %.4f val_loss %.4f val_accuracy %.4f (%.1f samples/s, peak %.0f MiB per worker)%s",
             row["epoch"], row["step"], row["train_loss"], row["val_loss"], row["val_accuracy"], row["samples_per_s"],
             row["peak_memory_mb"],
             f", resumed from step {row['resumed_from_step']}" if row["resumed_from_step"] else "",
         )
-    return history
+    return {"epochs": state["history"], "curve": state["curve"]}

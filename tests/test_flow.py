@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+from PIL import Image
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
 from transformers import AutoModelForSequenceClassification
@@ -28,12 +30,6 @@ def params(tiny_model, data: dict, root: str) -> FinetuneParams:
     )
 
 
-def artifact_keys(flow_run_id) -> set[str]:
-    with get_client(sync_client=True) as client:
-        found = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
-    return {a.key for a in found}
-
-
 def check_run(run_dir: str, summary: dict, data: dict) -> dict:
     """What a user checks after a run: manifest, metrics, a loadable model, one prediction per row."""
     manifest = storage.read_json(storage.join(run_dir, "manifest.json"))
@@ -44,7 +40,14 @@ def check_run(run_dir: str, summary: dict, data: dict) -> dict:
     assert set(metrics) >= {"accuracy", "macro_f1", "confusion_matrix"}
     assert manifest["data"]["splits"]["train"]["sha256"] == storage.sha256(str(data["train"]))
     assert manifest["config"]["train"]["seed"] == 42 and "torch" in manifest["versions"]
-    assert [row["epoch"] for row in manifest["metrics"]["training"]] == [1, 2]
+    assert [row["epoch"] for row in manifest["metrics"]["training"]["epochs"]] == [1, 2]
+    # 2 epochs of 64 steps: training logged every 10 steps, validation every 100 and at epoch ends
+    curve = manifest["metrics"]["training"]["curve"]
+    assert [p["step"] for p in curve["train"]] == list(range(10, 121, 10))
+    assert [p["step"] for p in curve["validation"]] == [64, 100, 128]
+    first, last = curve["train"][:3], curve["train"][-3:]
+    assert sum(p["loss"] for p in last) < sum(p["loss"] for p in first) and sum(p["accuracy"] for p in last) / 3 > 0.6
+    assert set(manifest["seconds"]) == {"tokenize", "train", "evaluate", "promote", "batch inference"}
 
     model = AutoModelForSequenceClassification.from_pretrained(local_model(storage.join(run_dir, "model")))
     assert model.config.id2label == {0: "negative", 1: "positive"}
@@ -55,7 +58,30 @@ def check_run(run_dir: str, summary: dict, data: dict) -> dict:
     assert sorted(predictions["id"]) == sorted(f"test.jsonl:{i}" for i in range(128))
     assert set(predictions["label"]) <= {"negative", "positive"} and predictions["score"].between(0.5, 1).all()
     assert storage.read_json(storage.join(run_dir, "predictions", MARKER))["rows"] == 128
+    check_report(run_dir, manifest)
     return manifest
+
+
+def check_report(run_dir: str, manifest: dict) -> None:
+    """The report beside the run: markdown with the numbers of this run, linking two real PNG plots."""
+    report = storage.join(run_dir, "report")
+    fs, _ = storage.filesystem(report)
+    text = fs.cat_file(storage.filesystem(storage.join(report, "report.md"))[1]).decode()
+    metrics = manifest["metrics"]
+    assert f"Test accuracy **{metrics['test']['accuracy']:.4f}**" in text
+    assert f"| test | macro_f1 | {round(metrics['test']['macro_f1'], 4)} |" in text
+    assert "Promotion: **promoted** to champion of `sentiment` (no champion yet)" in text
+    assert "| train | 2048 |" in text and manifest["outputs"]["model"] in text and "| batch inference |" in text
+    for name in ("training.png", "confusion-matrix.png"):
+        assert f"]({name})" in text
+        with Image.open(io.BytesIO(fs.cat_file(storage.filesystem(storage.join(report, name))[1]))) as image:
+            assert image.format == "PNG" and image.width > 300
+
+
+def run_artifacts(flow_run_id) -> dict[str, object]:
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
+    return {a.key: a.data for a in found}
 
 
 def test_finetune_on_local_storage(ray_cluster, tiny_model, small_data, tmp_path):
@@ -63,7 +89,10 @@ def test_finetune_on_local_storage(ray_cluster, tiny_model, small_data, tmp_path
     summary = state.result()
     assert Path(summary["run_dir"]).parent == tmp_path / "store" / "runs"
     check_run(summary["run_dir"], summary, small_data)
-    assert {"test-metrics", "confusion-matrix"} <= artifact_keys(state.state_details.flow_run_id)
+    artifacts = run_artifacts(state.state_details.flow_run_id)
+    assert {"test-metrics", "confusion-matrix", "promotion", "run-metrics"} <= set(artifacts)
+    # The UI's copy of the report carries its two plots inline: the UI cannot read the store.
+    assert artifacts["run-report"].count("](data:image/png;base64,") == 2
 
 
 def test_finetune_on_s3(ray_cluster, tiny_model, small_data):
@@ -79,7 +108,7 @@ def test_finetune_on_s3(ray_cluster, tiny_model, small_data):
 
     fs, path = storage.filesystem(root)
     for key in fs.find(path):
-        if key.endswith((".json", ".txt", ".parquet")):
+        if key.endswith((".json", ".txt", ".parquet", ".md")):
             assert S3_SECRET.encode() not in fs.cat_file(key), f"credential written into {key}"
 
 

@@ -31,6 +31,8 @@ def test_a_model_that_loses_leaves_the_champion_untouched(ray_cluster, tiny_mode
     decision = storage.read_json(storage.join(second["run_dir"], "manifest.json"))["metrics"]["promotion"]
     assert decision["champion"] == pytest.approx(first["test_accuracy"]), "the champion is scored on the same test split"
     assert "< the champion's" in decision["reason"] and decision["previous_champion_uri"] == f"{first['run_dir']}/model"
+    report = (tmp_path / "store" / "runs" / second["run_id"] / "report" / "report.md").read_text()
+    assert f"Promotion: **not promoted**: `rt`'s champion stays ({decision['reason']})" in report
 
     out = batch_infer("models/rt@champion", str(small_data["test"]), str(tmp_path / "labelled"), storage_root=root)
     assert out["rows"] == 128 and len(pq.read_table(tmp_path / "labelled")) == 128

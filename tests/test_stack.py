@@ -1,7 +1,7 @@
 """The local stack as a person uses it: `make stack-up`, the Prefect UI in headless Chromium, a run
 of the retraining deployment with a changed parameter, its artifacts, the schedule; `make stack-down`.
 
-The screenshot of the finished run lands in test-artifacts/ (FTFLOW_TEST_ARTIFACTS).
+Screenshots of the finished run and of its report land in test-artifacts/ (FTFLOW_TEST_ARTIFACTS).
 """
 
 from __future__ import annotations
@@ -113,7 +113,20 @@ def run_from_the_ui(page, ui: str, tiny_model) -> str:
     expect(state).to_have_text(re.compile("Completed|Failed|Crashed|Cancelled"), timeout=RUN_TIMEOUT_MS)
     expect(state).to_have_text("Completed")
     page.get_by_text("Artifacts", exact=True).click()
-    for key in ("test-metrics", "confusion-matrix", "promotion", "batch-inference-throughput"):
+    for key in ("run-report", "run-metrics", "test-metrics", "confusion-matrix", "promotion", "batch-inference-throughput"):
         expect(page.get_by_text(key).first).to_be_visible()
     page.screenshot(path=SCREENSHOTS / "finetune-run-from-the-ui.png", full_page=True)
+    open_the_report(page)
     return run_id
+
+
+def open_the_report(page) -> None:
+    """The run report shows its numbers and both plots, drawn (an image that failed to load has no width)."""
+    page.get_by_text("run-report", exact=True).first.click()
+    expect(page.get_by_role("heading", name="Metrics")).to_be_visible()
+    expect(page.get_by_text("Promotion:").first).to_contain_text("promoted to champion of sentiment")
+    for name in ("loss and accuracy per step", "confusion matrix"):
+        plot = page.get_by_role("img", name=name)
+        expect(plot).to_be_visible()
+        assert plot.evaluate("image => image.complete && image.naturalWidth > 300"), f"the {name} plot was not drawn"
+    page.screenshot(path=SCREENSHOTS / "run-report-in-the-ui.png", full_page=True)

@@ -68,7 +68,7 @@ def test_exported_model_predicts_like_the_engine_at_end_of_training(strategy, to
     root, uris = tokenized
     run_dir = Path(root) / "runs" / strategy
     cfg = TrainConfig(epochs=1, batch_size=16, learning_rate=2e-3, num_workers=2, **STRATEGIES[strategy])
-    history = train(uris, str(tiny_model), 64, LABELS, cfg, str(run_dir))
+    history = train(uris, str(tiny_model), 64, LABELS, cfg, str(run_dir))["epochs"]
 
     model_dir = run_dir / "model"
     assert_model_is_the_trained_engine(model_dir, uris, history)
@@ -102,17 +102,23 @@ def test_killed_worker_resumes_from_the_last_checkpoint(tokenized, tiny_model):
     killer = threading.Thread(target=kill_a_worker_once_a_checkpoint_is_committed, args=(run_dir / "train" / "ray", killed, stop))
     killer.start()
     try:
-        history = train(uris, str(tiny_model), 64, LABELS, cfg, str(run_dir))
+        trained = train(uris, str(tiny_model), 64, LABELS, cfg, str(run_dir))
     finally:
         stop.set()
         killer.join()
 
     assert killed, "no training worker was killed"
-    steps_per_epoch = 2048 // 16
+    history, curve, steps_per_epoch = trained["epochs"], trained["curve"], 2048 // 16
     assert [row["epoch"] for row in history] == [1, 2, 3] and history[-1]["step"] == 3 * steps_per_epoch
     resumed_from = history[-1]["resumed_from_step"]
     assert resumed_from > 0 and resumed_from % 10 == 0, "training restarted from step 0"
     assert_model_is_the_trained_engine(run_dir / "model", uris, history)
+    # The report's curve has every step once across the restart: training every 10 steps
+    # (log_every_steps), validation every 100 steps and at each epoch's end.
+    assert [point["step"] for point in curve["train"]] == list(range(10, 3 * steps_per_epoch + 1, 10))
+    assert [point["step"] for point in curve["validation"]] == [100, 128, 200, 256, 300, 384]
+    assert all(0 <= point["accuracy"] <= 1 and point["loss"] > 0 for point in curve["train"] + curve["validation"])
+    assert curve["validation"][-1]["accuracy"] == history[-1]["val_accuracy"]
 
 
 def test_rerun_of_a_run_resumes_from_its_stored_checkpoint(tokenized, tiny_model):
@@ -121,9 +127,10 @@ def test_rerun_of_a_run_resumes_from_its_stored_checkpoint(tokenized, tiny_model
     run_dir = str(Path(root) / "runs" / "rerun")
     first = train(uris, str(tiny_model), 64, LABELS, TrainConfig(epochs=1, batch_size=16, num_workers=2), run_dir)
     longer = train(uris, str(tiny_model), 64, LABELS, TrainConfig(epochs=2, batch_size=16, num_workers=2), run_dir)
-    assert longer[0] == first[0], "the first epoch was trained again"
-    assert longer[1]["resumed_from_step"] == first[0]["step"] == 2048 // 16
-    assert_model_is_the_trained_engine(Path(run_dir) / "model", uris, longer)
+    assert longer["epochs"][0] == first["epochs"][0], "the first epoch was trained again"
+    assert longer["epochs"][1]["resumed_from_step"] == first["epochs"][0]["step"] == 2048 // 16
+    assert longer["curve"]["train"][: len(first["curve"]["train"])] == first["curve"]["train"]
+    assert_model_is_the_trained_engine(Path(run_dir) / "model", uris, longer["epochs"])
 
 
 
@@ -152,6 +159,6 @@ def test_zero3_holds_less_memory_per_worker_than_zero0(wide_model, small_data, t
     for stage in (0, 3):
         # 4 workers on half a CPU each: ZeRO-3 keeps a quarter of the model state per worker.
         cfg = TrainConfig(zero_stage=stage, epochs=1, batch_size=16, num_workers=4, cpus_per_worker=0.5)
-        peak[stage] = train(uris, str(wide_model), 64, LABELS, cfg, str(tmp_path / f"zero{stage}"))[-1]["peak_memory_mb"]
+        peak[stage] = train(uris, str(wide_model), 64, LABELS, cfg, str(tmp_path / f"zero{stage}"))["epochs"][-1]["peak_memory_mb"]
     print(f"peak RSS per worker: ZeRO-0 {peak[0]:.0f} MiB, ZeRO-3 {peak[3]:.0f} MiB")
     assert peak[3] < 0.9 * peak[0], peak

@@ -1,0 +1,151 @@
+"""The run report: what a person reads after a finetune run, as Prefect artifacts (a markdown report
+with its plots inline, a metrics table) and as files beside the run (<run>/report/report.md with
+the same plots as PNG), so that it outlives the Prefect database and can be linked to."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from matplotlib.figure import Figure
+from prefect import task
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
+
+from tasks import storage
+from tasks.data import Split
+from tasks.evaluate import confusion_markdown
+from tasks.manifest import versions
+from tasks.storage import RunStore
+
+PLOTS = {"training": "training.png", "confusion": "confusion-matrix.png"}
+
+
+class Stopwatch:
+    """Wall seconds per stage of a flow. Prefect records task-run times too, but its API holds them
+    only once its event pipeline has caught up, so a report reading them at the end would race it."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, stage: str) -> Iterator[None]:
+        started = time.perf_counter()
+        yield
+        self.seconds[stage] = round(time.perf_counter() - started, 2)
+
+
+def png(figure: Figure) -> bytes:
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=100, bbox_inches="tight")
+    return buffer.getvalue()
+
+
+def training_plot(curve: dict) -> bytes:
+    """Loss and accuracy against the optimizer step: training (averaged per logging interval) and validation."""
+    figure = Figure(figsize=(11, 3.8))
+    for axes, measure in zip(figure.subplots(1, 2), ("loss", "accuracy")):
+        for points, name, style in ((curve["train"], "training", "-"), (curve["validation"], "validation", "o-")):
+            axes.plot([p["step"] for p in points], [p[measure] for p in points], style, label=name)
+        axes.set(xlabel="optimizer step", ylabel=measure, title=measure)
+        axes.grid(alpha=0.3)
+        axes.legend()
+    return png(figure)
+
+
+def confusion_plot(metrics: dict) -> bytes:
+    names, counts = metrics["label_names"], metrics["confusion_matrix"]
+    figure = Figure(figsize=(1.2 * len(names) + 2.5, 1.0 * len(names) + 2))
+    axes = figure.subplots()
+    axes.imshow(counts, cmap="Blues")
+    peak = max(map(max, counts))
+    for row, values in enumerate(counts):
+        for column, count in enumerate(values):
+            axes.text(column, row, str(count), ha="center", va="center", color="white" if count > peak / 2 else "black")
+    axes.set(xticks=range(len(names)), yticks=range(len(names)), xticklabels=names, yticklabels=names,
+             xlabel="predicted", ylabel="true", title=f"test split, {metrics['rows']} rows")
+    return png(figure)
+
+
+def link(uri: str, under: str = "") -> str:
+    """A link to a stored file, named by its path below `under` when it is there (shorter tables)."""
+    name = uri.removeprefix(f"{under}/") if under else uri
+    return f"[`{name}`]({uri if storage.is_remote(uri) else 'file://' + uri})"
+
+
+def summary(metrics: dict, promotion: dict) -> list[str]:
+    name = promotion["model_name"]
+    verdict = f"**promoted** to champion of `{name}`" if promotion["promoted"] else f"**not promoted**: `{name}`'s champion stays"
+    return [f"Test accuracy **{metrics['accuracy']:.4f}**, macro F1 **{metrics['macro_f1']:.4f}** "
+            f"on {metrics['rows']} rows.", "", f"Promotion: {verdict} ({promotion['reason']}).", ""]
+
+
+def metric_rows(training: dict, metrics: dict, promotion: dict) -> list[dict]:
+    last = training["epochs"][-1]
+    rows = [("train", "loss", last["train_loss"]), ("validation", "loss", last["val_loss"]),
+            ("validation", "accuracy", last["val_accuracy"]), ("test", "accuracy", metrics["accuracy"]),
+            ("test", "macro_f1", metrics["macro_f1"])]
+    if promotion["champion"] is not None:
+        rows.append(("test", f"champion {promotion['metric']}", promotion["champion"]))
+    return [{"split": split, "metric": name, "value": round(value, 4)} for split, name, value in rows]
+
+
+def table(rows: list[dict]) -> list[str]:
+    columns = list(rows[0])
+    return (["| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
+            + ["| " + " | ".join(str(row[c]) for c in columns) + " |" for row in rows])
+
+
+def epoch_rows(training: dict) -> list[dict]:
+    return [{"epoch": e["epoch"], "step": e["step"], "train loss": round(e["train_loss"], 4), "val loss": round(e["val_loss"], 4),
+             "val accuracy": round(e["val_accuracy"], 4), "samples/s": round(e["samples_per_s"], 1),
+             "peak MiB per worker": round(e["peak_memory_mb"])} for e in training["epochs"]]
+
+
+def data_rows(splits: dict[str, Split], tokenized: dict[str, str], root: str) -> list[dict]:
+    return [{"split": name, "rows": split.total_rows, "MiB": round(sum(p.size for p in split.pieces) / 2**20, 2),
+             "files": len(split.uris), "sha256": f"`{split.sha256[:12]}`", "tokenized": link(tokenized[name], root)}
+            for name, split in splits.items()]
+
+
+def markdown(store: RunStore, config: dict, splits: dict[str, Split], outputs: dict, results: dict, seconds: dict,
+             images: dict[str, str]) -> str:
+    """The report, with each plot at images[name]: a file beside it, or the PNG inline for the Prefect UI."""
+    training, metrics, promotion = results["training"], results["test"], results["promotion"]
+    root = storage.normalize(store.root)
+    stored = {"model": outputs["model"], "metrics": outputs["metrics"], "predictions": outputs["predictions"]["output_uri"],
+              "training checkpoints": outputs["checkpoints"], "report and plots": outputs["report"],
+              "manifest (config, versions, data hashes)": outputs["manifest"], "champion pointer": promotion["pointer"]}
+    lines = [f"# finetune run `{store.run_id}`", "", f"Run folder: {link(store.base)}", "",
+             *summary(metrics, promotion),
+             "## Metrics", "", *table(metric_rows(training, metrics, promotion)), "",
+             "## Training", "", f"![loss and accuracy per step]({images['training']})", "", *table(epoch_rows(training)), "",
+             "## Confusion matrix (test)", "", f"![confusion matrix]({images['confusion']})", "", confusion_markdown(metrics), "",
+             "## Data", "", *table(data_rows(splits, outputs["tokenized"], root)), "",
+             f"Predictions: {outputs['predictions']['rows']} rows from {outputs['predictions']['files']} file(s).", "",
+             "## Timings", "", *table([{"stage": stage, "seconds": s} for stage, s in seconds.items()]), "",
+             "## Stored artifacts", "", *table([{"what": what, "where": link(uri, root)} for what, uri in stored.items()]), "",
+             "## Configuration", "", "```json", json.dumps(config, indent=2), "```", "",
+             "Versions: " + ", ".join(f"{name} {v}" for name, v in versions().items()), ""]
+    return "\n".join(lines)
+
+
+@task
+def publish_report(store: RunStore, config: dict, splits: dict[str, Split], outputs: dict, results: dict,
+                   seconds: dict) -> str:
+    """report.md and its plots in the run's report folder, and the same report and a metrics table as Prefect artifacts."""
+    plots = {"training": training_plot(results["training"]["curve"]), "confusion": confusion_plot(results["test"])}
+    for name, image in plots.items():
+        storage.write_bytes(storage.join(store.report, PLOTS[name]), image)
+    beside = markdown(store, config, splits, outputs, results, seconds, PLOTS)
+    storage.write_bytes(storage.join(store.report, "report.md"), beside.encode())
+    # The Prefect UI cannot read the store (a local folder, a private bucket): its copy carries the plots inline.
+    inline = {name: "data:image/png;base64," + base64.b64encode(image).decode() for name, image in plots.items()}
+    create_markdown_artifact(key="run-report", markdown=markdown(store, config, splits, outputs, results, seconds, inline),
+                             description=f"finetune run {store.run_id}")
+    create_table_artifact(key="run-metrics", table=metric_rows(results["training"], results["test"], results["promotion"]),
+                          description=f"Final metrics of run {store.run_id}")
+    return storage.join(store.report, "report.md")
