@@ -119,11 +119,16 @@ def markdown(store: RunStore, config: dict, splits: dict[str, Split], outputs: d
     stored = {"model": outputs["model"], "metrics": outputs["metrics"], "predictions": outputs["predictions"]["output_uri"],
               "training checkpoints": outputs["checkpoints"], "report and plots": outputs["report"],
               "manifest (config, versions, data hashes)": outputs["manifest"], "champion pointer": promotion["pointer"]}
+    def plot_link(name: str) -> str:
+        return f"Stored as {link(storage.join(store.report, PLOTS[name]), root)}"
+
     lines = [f"# finetune run `{store.run_id}`", "", f"Run folder: {link(store.base)}", "",
              *summary(metrics, promotion),
              "## Metrics", "", *table(metric_rows(training, metrics, promotion)), "",
-             "## Training", "", f"![loss and accuracy per step]({images['training']})", "", *table(epoch_rows(training)), "",
-             "## Confusion matrix (test)", "", f"![confusion matrix]({images['confusion']})", "", confusion_markdown(metrics), "",
+             "## Training", "", f"![loss and accuracy per step]({images['training']})", "", plot_link("training"), "",
+             *table(epoch_rows(training)), "",
+             "## Confusion matrix (test)", "", f"![confusion matrix]({images['confusion']})", "", plot_link("confusion"), "",
+             confusion_markdown(metrics), "",
              "## Data", "", *table(data_rows(splits, outputs["tokenized"], root)), "",
              f"Predictions: {outputs['predictions']['rows']} rows from {outputs['predictions']['files']} file(s).", "",
              "## Timings", "", *table([{"stage": stage, "seconds": s} for stage, s in seconds.items()]), "",
@@ -149,3 +154,17 @@ def publish_report(store: RunStore, config: dict, splits: dict[str, Split], outp
     create_table_artifact(key="run-metrics", table=metric_rows(results["training"], results["test"], results["promotion"]),
                           description=f"Final metrics of run {store.run_id}")
     return storage.join(store.report, "report.md")
+
+
+@task
+def publish_inference_report(model_ref: str, model_uri: str, parameters: dict, result: dict) -> None:
+    """The batch_infer run's report: what labelled what, where the labels are, how fast."""
+    named = f"`{model_ref}`, that is {link(model_uri)}" if model_ref != model_uri else link(model_uri)
+    lines = [f"# batch_infer: {result['rows']:,} rows labelled", "", f"Model: {named}", "",
+             f"Labels: {link(result['output_uri'])} (Parquet: id, text, label, score; complete once "
+             f"`{storage.MARKER}` is there)", "",
+             f"{result['files']} input file(s), {result['rows']:,} rows in {result['seconds']:.1f} s "
+             f"({result['rows'] / result['seconds']:,.0f} rows/s).", "",
+             "## Parameters", "", "```json", json.dumps(parameters, indent=2, default=str), "```", ""]
+    create_markdown_artifact(key="batch-inference-report", markdown="\n".join(lines),
+                             description=f"{model_ref} -> {result['output_uri']}")

@@ -73,7 +73,8 @@ def check_report(run_dir: str, manifest: dict) -> None:
     assert "Promotion: **promoted** to champion of `sentiment` (no champion yet)" in text
     assert "| train | 2048 |" in text and manifest["outputs"]["model"] in text and "| batch inference |" in text
     for name in ("training.png", "confusion-matrix.png"):
-        assert f"]({name})" in text
+        stored = storage.join(report, name)
+        assert f"]({name})" in text and f"]({stored if storage.is_remote(stored) else 'file://' + stored})" in text
         with Image.open(io.BytesIO(fs.cat_file(storage.filesystem(storage.join(report, name))[1]))) as image:
             assert image.format == "PNG" and image.width > 300
 
