@@ -5,11 +5,13 @@ from __future__ import annotations
 from typing import Annotated
 
 from prefect import flow
+from prefect.runtime import flow_run
 from pydantic import Field
 
 from tasks.config import WINDOW_ROWS, default_storage_root
 from tasks.infer import predict_files
 from tasks.registry import resolve
+from tasks.report import publish_inference_report
 
 
 @flow(name="batch_infer")
@@ -28,5 +30,7 @@ def batch_infer(
     storage_root: Annotated[str | None, Field(description="Where models/ is; default: FTFLOW_STORAGE_ROOT or ./artifacts.")] = None,
 ) -> dict:
     """Label every row of the input files (files, directories or globs; local or s3://) with model_uri."""
-    model_uri = resolve(model_uri, storage_root or default_storage_root())
-    return predict_files(model_uri, input_uri, output_uri, text_column, id_column, batch_size, ray_address, window_rows)
+    resolved = resolve(model_uri, storage_root or default_storage_root())
+    result = predict_files(resolved, input_uri, output_uri, text_column, id_column, batch_size, ray_address, window_rows)
+    publish_inference_report(model_uri, resolved, flow_run.parameters, result)
+    return result

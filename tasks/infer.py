@@ -121,7 +121,7 @@ def predict_files(
                 "actors": actors, "window_rows": window}],
         description=f"{model_uri} over {len(files)} file(s) from {base or files[0]}",
     )
-    return {"output_uri": output_uri, "rows": rows, "files": len(files)}
+    return {"output_uri": output_uri, "rows": rows, "files": len(files), "seconds": round(seconds, 2)}
 
 
 def balanced_window(window_rows: int, batch_size: int, actors: int, sizes: dict[str, int]) -> int:

@@ -30,8 +30,8 @@ def corpus(tmp_path):
     return folder
 
 
-def prefect_records(flow_run_id) -> tuple[list[str], set[str]]:
-    """The flow run's log messages and artifact keys, as the Prefect UI shows them; log records are
+def prefect_records(flow_run_id) -> tuple[list[str], dict[str, object]]:
+    """The flow run's log messages and artifacts by key, as the Prefect UI shows them; log records are
     shipped in the background, so wait for the final one."""
     with get_client(sync_client=True) as client:
         for _ in range(40):
@@ -40,18 +40,20 @@ def prefect_records(flow_run_id) -> tuple[list[str], set[str]]:
                 break
             time.sleep(0.5)
         artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
-    return [log.message for log in logs], {a.key for a in artifacts}
+    return [log.message for log in logs], {a.key: a.data for a in artifacts}
 
 
 def test_every_row_of_every_file_gets_one_prediction(ray_cluster, tiny_model, corpus, tmp_path, monkeypatch):
     monkeypatch.setattr(infer, "PROGRESS_EVERY_S", 0.5)
     state = batch_infer(str(tiny_model), str(corpus), str(tmp_path / "predictions"), return_state=True)
     out = state.result()
-    assert out == {"output_uri": str(tmp_path / "predictions"), "rows": 600, "files": 3}
+    assert out.pop("seconds") > 0 and out == {"output_uri": str(tmp_path / "predictions"), "rows": 600, "files": 3}
     messages, artifacts = prefect_records(state.state_details.flow_run_id)
     assert any(re.fullmatch(r"labelled [\d,]+ / (600 rows|~[\d,]+ rows \(\d/3 files read\)), \d+ rows/s", m) for m in messages)
     assert any(m.startswith("labelled 600 rows from 3 file(s)") for m in messages)
     assert "batch-inference-throughput" in artifacts
+    report = artifacts["batch-inference-report"]
+    assert report.startswith("# batch_infer: 600 rows labelled") and f"(file://{tmp_path / 'predictions'})" in report
     table = pq.read_table(tmp_path / "predictions").to_pandas().set_index("id")
     expected = {f"a.jsonl:{i}": f"review {i} was good" for i in range(300)}
     expected |= {f"sub/b.csv:{i}": f"film {i} bored me" for i in range(200)}
