@@ -66,6 +66,7 @@ def finetune(params: FinetuneParams = FinetuneParams()) -> dict:
     return {"run_id": store.run_id, "run_dir": store.base, "test_accuracy": metrics["accuracy"], "metrics": metrics,
             "promoted": promotion["promoted"]}
 
+
 if __name__ == "__main__":
     # `python -m flows.finetune [params.json]`: the embedded defaults, or FinetuneParams as JSON.
     overrides = FinetuneParams.model_validate_json(Path(sys.argv[1]).read_text()) if len(sys.argv) > 1 else FinetuneParams()
@@ -73,3 +74,4 @@ if __name__ == "__main__":
     print(f"test accuracy: {summary['test_accuracy']:.4f}")
     print(f"run id:        {summary['run_id']}")
     print(f"artifacts:     {summary['run_dir']}")
+    print(f"report:        {summary['run_dir']}/report/report.md")

@@ -253,16 +253,19 @@ def validate(engine, loader: DataLoader, device: torch.device) -> tuple[float, f
     """Exact loss, accuracy and row-ordered predictions over the whole split, gathered from all workers.
 
     DistributedSampler pads the last shard with repeated rows; gathering by row index drops them.
+    Torch's random state is put back afterwards: starting the loader draws from it, which would
+    otherwise make the evaluation cadence change the dropout masks of every later training step.
     """
     engine.eval()
     indices = iter(loader.sampler)
     local: list[tuple[int, float, int, int]] = []
-    for batch in loader:
-        batch = _to(batch, device)
-        logits = engine(**{k: v for k, v in batch.items() if k != "labels"}).logits.float()
-        losses = torch.nn.functional.cross_entropy(logits, batch["labels"], reduction="none")
-        for loss, pred, label in zip(losses.tolist(), logits.argmax(-1).tolist(), batch["labels"].tolist()):
-            local.append((next(indices), loss, pred, label))
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        for batch in loader:
+            batch = _to(batch, device)
+            logits = engine(**{k: v for k, v in batch.items() if k != "labels"}).logits.float()
+            losses = torch.nn.functional.cross_entropy(logits, batch["labels"], reduction="none")
+            for loss, pred, label in zip(losses.tolist(), logits.argmax(-1).tolist(), batch["labels"].tolist()):
+                local.append((next(indices), loss, pred, label))
     gathered: list[list] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, local)
     by_row = {row: (loss, pred, label) for part in gathered for row, loss, pred, label in part}

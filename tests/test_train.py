@@ -133,6 +133,15 @@ def test_rerun_of_a_run_resumes_from_its_stored_checkpoint(tokenized, tiny_model
     assert_model_is_the_trained_engine(Path(run_dir) / "model", uris, longer["epochs"])
 
 
+def test_evaluating_more_often_trains_the_same_model(tokenized, tiny_model, tmp_path):
+    """Evaluation cadence is a reporting choice: it must not change the dropout masks of the steps after it."""
+    root, uris = tokenized
+    runs = {every: train(uris, str(tiny_model), 64, LABELS, TrainConfig(epochs=1, batch_size=16, num_workers=2, eval_every_steps=every),
+                         str(tmp_path / f"every-{every}")) for every in (0, 40)}
+    assert [p["step"] for p in runs[40]["curve"]["validation"]] == [40, 80, 120, 128]
+    assert runs[40]["curve"]["train"] == runs[0]["curve"]["train"]
+    assert runs[40]["curve"]["validation"][-1] == runs[0]["curve"]["validation"][-1]
+
 
 @pytest.fixture(scope="module")
 def wide_model(tiny_model, tmp_path_factory) -> Path:
