@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 make setup >/dev/null
 log=$(mktemp)
 start=$(date +%s)
-make run 2>&1 | tee "$log" | grep -E "test accuracy|run id|artifacts:|epoch [0-9]+ step [0-9]+:"
+make run 2>&1 | tee "$log" | grep -E "test accuracy|run id|artifacts:|report:|epoch [0-9]+ step [0-9]+:"
 end=$(date +%s)
 echo "wall time: $((end - start)) s"
 echo "machine: $(nproc) cores, $(free -g | awk '/Mem:/{print $2}') GiB, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)"
