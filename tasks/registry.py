@@ -55,7 +55,7 @@ def promote(model_uri: str, metrics: dict, test: Split, cfg: PromotionConfig, ro
         why = (f"{cfg.metric} {challenger:.4f} {'>=' if promoted else '<'} the champion's {champion:.4f} "
                f"+ margin {cfg.margin:g}, on the same test split")
     if promoted:
-        storage.replace_json(pointer, {"model_uri": model_uri, "run_id": run_id, "metric": cfg.metric, "value": challenger,
+        storage.write_json(pointer, {"model_uri": model_uri, "run_id": run_id, "metric": cfg.metric, "value": challenger,
                                        "test_sha256": test.sha256, "promoted_at": datetime.now(timezone.utc).isoformat()})
     decision = {"promoted": promoted, "reason": why, "model_name": cfg.model_name, "metric": cfg.metric,
                 "challenger": challenger, "champion": champion, "previous_champion_uri": current and current["model_uri"],

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,34 +53,24 @@ def exists(uri: str) -> bool:
     return fs.exists(path)
 
 
-def encoded_json(payload: Any) -> bytes:
-    """How ftflow writes every JSON file: indented, keys sorted, anything else as its str()."""
-    return json.dumps(payload, indent=2, sort_keys=True, default=str).encode()
-
-
 def write_bytes(uri: str, data: bytes) -> None:
+    """Write a file that readers see whole, old or new, never in part (a run's markers and manifest
+    say it is complete, so a crash must not leave half of one): a local file is written aside and
+    renamed over the target (atomic on POSIX); an object store replaces an object in one PUT."""
     fs, path = filesystem(uri)
-    fs.makedirs(fs._parent(path), exist_ok=True)
-    fs.pipe_file(path, data)
-
-
-def write_json(uri: str, payload: Any) -> None:
-    write_bytes(uri, encoded_json(payload))
-
-
-def replace_json(uri: str, payload: Any) -> None:
-    """Write JSON that readers see whole, old or new, never in part: a local file is written aside
-    and renamed over the old one (os.replace is atomic); an object store replaces an object in one PUT."""
-    fs, path = filesystem(uri)
-    data = encoded_json(payload)
     if is_remote(uri):
         fs.pipe_file(path, data)
         return
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    aside = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    aside = target.with_name(f".{target.name}.{uuid.uuid4().hex}")  # unique: concurrent writers never share one
     aside.write_bytes(data)
     os.replace(aside, target)
+
+
+def write_json(uri: str, payload: Any) -> None:
+    """Indented, keys sorted, anything else as its str(); whole or not at all (write_bytes)."""
+    write_bytes(uri, json.dumps(payload, indent=2, sort_keys=True, default=str).encode())
 
 
 def read_json(uri: str) -> Any:
