@@ -120,12 +120,13 @@ def stop(name: str, grace_s: float = 60) -> None:
     pid = running(name)
     if pid:
         os.killpg(pid, signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        while running(name) and time.monotonic() < deadline:
+        started = time.monotonic()
+        while running(name) and time.monotonic() < started + grace_s:
             time.sleep(0.2)
-        if running(name):
+        killed = bool(running(name))
+        if killed:
             os.killpg(pid, signal.SIGKILL)
-        print(f"{name}: stopped")
+        print(f"{name}: {'killed after' if killed else 'stopped in'} {time.monotonic() - started:.1f} s")
     (STATE / f"{name}.pid").unlink(missing_ok=True)
 
 
