@@ -215,7 +215,7 @@ def fit_epoch(
     """
     loader.sampler.set_epoch(epoch)
     engine.train()
-    loss_sum, batches, samples, paused = torch.zeros(1), 0, 0, 0.0
+    loss_sum, batches, samples, paused = torch.zeros(1, device=device), 0, 0, 0.0  # on the device: no sync per batch
     first_done = time.perf_counter()
     for batch in islice(loader, skip, None):
         batch = _to(batch, device)
@@ -225,7 +225,7 @@ def fit_epoch(
             engine.backward(output.loss)
         steps_before = engine.global_steps
         engine.step()  # an optimizer step only at the end of an accumulation cycle
-        loss_sum += output.loss.detach().float().cpu()
+        loss_sum += output.loss.detach().float()
         curve.add(output.loss.detach(), output.logits.detach(), batch["labels"])
         batches += 1
         if batches == 1:
@@ -236,7 +236,6 @@ def fit_epoch(
             started = time.perf_counter()
             curve.stepped(engine.global_steps, epoch + (skip + batches) / len(loader))
             after_step(skip + batches)
-            engine.train()  # after_step may have evaluated
             paused += time.perf_counter() - started
     elapsed = time.perf_counter() - first_done - paused
     totals = torch.tensor([loss_sum.item(), batches, samples], dtype=torch.float64)
@@ -379,6 +378,7 @@ def train_worker(config: dict) -> None:
 
     def evaluated(epoch: float) -> list[int]:
         loss, accuracy, predictions = validate(engine, val_loader, device)
+        engine.train()  # validate left the model in eval mode, and training may go on mid-epoch
         curve.validation.append({"step": engine.global_steps, "epoch": round(epoch, 4), "loss": loss, "accuracy": accuracy})
         return predictions
 
