@@ -14,9 +14,9 @@ from tasks.data import load_splits
 from tasks.evaluate import evaluate
 from tasks.infer import predict_files
 from tasks.manifest import write_manifest
-from tasks.registry import promote
+from tasks.registry import champion_pointer, promote
 from tasks.report import Stopwatch, publish_report
-from tasks.storage import RunStore
+from tasks.storage import RunStore, refuse_overlap
 from tasks.tokenize import load_tokenizer, tokenize, tokenize_key
 from tasks.train import train
 
@@ -31,6 +31,9 @@ def finetune(params: FinetuneParams = FinetuneParams()) -> dict:
     store = RunStore(params.storage_root, params.run_id or new_run_id())
     splits = load_splits(params.data)  # bad input stops here, before Ray or storage are touched
     key = tokenize_key(splits, load_tokenizer(params.model.name_or_path), params.model.max_length, params.storage_root)
+    store.check()  # and outputs that would overwrite what ftflow did not write, or anything it reads
+    refuse_overlap([store.base, key.target, champion_pointer(params.storage_root, params.promotion.model_name)],
+                   [*params.inputs(), *(uri for split in splits.values() for uri in split.uris)])
 
     took = Stopwatch()
     with took("tokenize"):

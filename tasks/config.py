@@ -9,9 +9,11 @@ from __future__ import annotations
 import os
 from importlib.util import find_spec
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, Field, field_validator, model_validator
+
+from tasks.storage import safe_name
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 SHIPPED_DATA = PROJECT_ROOT / "data" / "rotten_tomatoes"
@@ -29,6 +31,9 @@ def default_model() -> str:
 def default_storage_root() -> str:
     return os.environ.get("FTFLOW_STORAGE_ROOT", str(PROJECT_ROOT / "artifacts"))
 
+
+# A run id or model name: it becomes a folder in storage, so it must stay one (no '/', no '..').
+SafeName = Annotated[str, AfterValidator(lambda value: safe_name(value, "name"))]
 
 # Rows an inference actor sorts by length and labels per call, and rows per read block: the larger,
 # the less padding; with batch_size, what bounds an actor's memory whatever the corpus size.
@@ -120,8 +125,8 @@ class InferenceConfig(BaseModel):
 class PromotionConfig(BaseModel):
     """The gate after evaluation: which registry entry the model competes for, and how."""
 
-    model_name: str = Field("sentiment", pattern=r"^[A-Za-z0-9._-]+$",
-                            description="Registry entry: <storage_root>/models/<name>/champion; batch_infer takes models/<name>@champion.")
+    model_name: SafeName = Field("sentiment",
+                                 description="Registry entry: <storage_root>/models/<name>/champion; batch_infer takes models/<name>@champion.")
     metric: Literal["accuracy", "macro_f1"] = Field("accuracy", description="Test metric compared with the champion's, on the same test split.")
     margin: float = Field(0.0, ge=-1, le=1, description="Promote when metric >= champion's + margin (negative: accept a small loss).")
 
@@ -136,5 +141,11 @@ class FinetuneParams(BaseModel):
         default_factory=default_storage_root,
         description="Local folder or s3://bucket/prefix holding runs/, tokenized/ and models.",
     )
-    run_id: str | None = Field(None, description="Default: a new id from the time and the flow run.")
+    run_id: SafeName | None = Field(None, description="Default: a new id from the time and the flow run. "
+                                                      "Letters, digits, '.', '_', '-'; the same id resumes that run.")
     ray_address: str | None = Field(None, description="Existing Ray cluster (ray://host:10001 or 'auto'); default: RAY_ADDRESS or a local Ray.")
+
+    def inputs(self) -> list[str]:
+        """Every location the run reads, as given (files, folders, globs): outputs must stay apart."""
+        given = [self.data.train_uri, self.data.validation_uri, self.data.test_uri, self.inference.input_uri or []]
+        return [self.model.name_or_path, *(uri for uris in given for uri in ([uris] if isinstance(uris, str) else uris))]

@@ -14,6 +14,7 @@ import pyarrow.dataset
 import ray
 from prefect import get_run_logger, task
 from prefect.artifacts import create_table_artifact
+from ray.data.datasource import FilenameProvider
 
 from tasks import cluster, storage
 from tasks.config import WINDOW_ROWS
@@ -77,10 +78,13 @@ def predict_files(
     """Label every row of every input file; Parquet (id, text, label, score) at output_uri,
     complete once output_uri/_SUCCESS.json exists (rows, input and model fingerprints)."""
     files = expand_inputs(input_uri)
+    output = storage.OutputFolder(output_uri)
+    storage.refuse_overlap([output_uri], [model_uri, *([input_uri] if isinstance(input_uri, str) else input_uri), *files])
+    output.check()  # refused before any cluster work: a folder holding files ftflow did not write
     base = os.path.commonpath(files) if len(files) > 1 else ""
     cluster.connect(ray_address)
     actors, cpus, gpus = cluster.Resources.of_cluster().inference_actors()
-    storage.clear_marked(output_uri)  # a re-run replaces what a previous job left, complete or not
+    job = output.start()  # a re-run replaces exactly what an earlier job here wrote, complete or not
     out_path, out_fs = storage.pyarrow_filesystem(output_uri)
     sizes = {uri: storage.size(uri) for uri in files}  # once: for the progress estimate and its reports
     window = balanced_window(window_rows, batch_size, actors, sizes)
@@ -102,11 +106,14 @@ def predict_files(
                 num_cpus=cpus,
                 num_gpus=gpus,
             )
-            .write_parquet(out_path, filesystem=out_fs, ray_remote_args={"num_cpus": cluster.READ_CPUS})
+            # Appends (Ray's default mode): files named by the job, so the folder's record says they are ftflow's.
+            .write_parquet(out_path, filesystem=out_fs, filename_provider=FilenameProvider(job, "parquet"),
+                           ray_remote_args={"num_cpus": cluster.READ_CPUS})
         )
     seconds = time.perf_counter() - started
-    rows = pyarrow.dataset.dataset(out_path, filesystem=out_fs, format="parquet").count_rows()
-    storage.write_json(storage.join(output_uri, storage.MARKER), {
+    written = output.written(job)
+    rows = pyarrow.dataset.dataset([f"{out_path}/{name}" for name in written], filesystem=out_fs, format="parquet").count_rows()
+    output.complete(written, {
         "rows": rows,
         "inputs": {uri: storage.fingerprint(uri) for uri in files},
         "model": {"uri": model_uri, "fingerprint": storage.fingerprint(model_uri)},

@@ -22,11 +22,11 @@ from tasks.config import PromotionConfig
 from tasks.data import Split
 from tasks.evaluate import score
 
-CHAMPION_REF = re.compile(r"^models/(?P<name>[A-Za-z0-9._-]+)@champion$")
+CHAMPION_REF = re.compile(r"^models/(?P<name>[^/]+)@champion$")
 
 
 def champion_pointer(root: str, name: str) -> str:
-    return storage.join(storage.normalize(root), "models", name, "champion")
+    return storage.join(storage.normalize(root), "models", storage.safe_name(name, "model name"), "champion")
 
 
 def resolve(model_uri: str, root: str) -> str:

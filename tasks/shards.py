@@ -49,18 +49,19 @@ def shards(splits: dict[str, Split], cpus: int) -> list[Shard]:
     return found
 
 
-def write_shards(shards: list[Shard], schema: Schema, tokenizer: Tokenizer, targets: dict[str, str]) -> Callable[[pd.DataFrame], Iterator[dict]]:
+def write_shards(shards: list[Shard], schema: Schema, tokenizer: Tokenizer, targets: dict[str, str],
+                 job: str) -> Callable[[pd.DataFrame], Iterator[dict]]:
     """A Ray Data UDF: shard numbers in; each shard's rows, checked and tokenized a chunk
     (CHUNK_ROWS) at a time, streamed into one Parquet file of (row, label, input_ids) under its
-    split's target, a row group per chunk; (split, rows written) out. Named by the shard's number,
-    a retried task overwrites its own file."""
+    split's target, a row group per chunk; (split, rows written) out. Named by the job (the output
+    folder's record of its files) and the shard's number, a retried task overwrites its own file."""
     folders = {name: storage.pyarrow_filesystem(target) for name, target in targets.items()}
 
     def run(batch: pd.DataFrame) -> Iterator[dict]:
         for number in batch["shard"]:
             shard, rows = shards[number], 0
             path, filesystem = folders[shard.split]
-            with pq.ParquetWriter(f"{path}/part-{shard.index:05d}.parquet", SHARD_SCHEMA, filesystem=filesystem) as out:
+            with pq.ParquetWriter(f"{path}/{job}_{shard.index:05d}.parquet", SHARD_SCHEMA, filesystem=filesystem) as out:
                 for piece in shard.pieces:
                     for frame in labelled_frames(piece.uri, schema, piece=piece):
                         ids = [encoding.ids for encoding in tokenizer.encode_batch(frame["text"].tolist())]

@@ -9,6 +9,10 @@
     <root>/runs/<run_id>/manifest.json                 written last: no manifest, no result
     <root>/models/<name>/champion                      the promoted model's URI, replaced in one write
 
+Data safety: ftflow deletes only files an earlier ftflow job wrote and recorded (OutputFolder),
+never a folder's content; refuses an output folder that holds files it did not write, an output
+that overlaps an input (refuse_overlap), and a name that would leave its folder (safe_name).
+
 S3 endpoint and credentials come from the environment (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...)
 as boto reads them; they are never copied into a path, a log line or an artifact.
 """
@@ -18,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,20 +93,113 @@ def sha256(uri: str) -> str:
     return digest.hexdigest()
 
 
+class UnsafeOutput(ValueError):
+    """An output ftflow refuses to write, before any work: the message names it and why."""
+
+
+SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def safe_name(value: str, what: str) -> str:
+    """A name that becomes one path segment (a run id, a model name): never '/', '..' or absolute,
+    so that nothing ftflow writes or deletes under it can land outside its folder."""
+    if not SAFE_NAME.match(value):
+        raise UnsafeOutput(f"{what} {value!r}: use 1-128 letters, digits, '.', '_' or '-', starting with a letter or "
+                           f"digit (it names a folder in storage; '/' and '..' would leave it)")
+    return value
+
+
+def _overlap(output: str, input_: str) -> str | None:
+    """How output lies against input_ ('is', 'is inside', 'holds'), or None when apart."""
+    out, inp = normalize(output), normalize(input_)
+    if is_remote(out) != is_remote(inp):
+        return None
+    if out == inp:
+        return "is"
+    if out.startswith(inp.rstrip("/") + "/"):
+        return "is inside"
+    if inp.startswith(out.rstrip("/") + "/"):
+        return "holds"
+    return None
+
+
+def refuse_overlap(outputs: list[str], inputs: list[str]) -> None:
+    """ftflow never writes where it reads: an output equal to, inside, or holding an input is refused."""
+    for output in outputs:
+        for input_ in inputs:
+            if how := _overlap(output, input_):
+                raise UnsafeOutput(f"output {normalize(output)} {how} the input {normalize(input_)}: ftflow never writes "
+                                   f"where it reads; choose an output location apart from every input")
+
+
 # Written last into an output folder (tokenized shards, predictions), so a reader can tell a complete
 # result from the remains of a failed or interrupted job; Parquet readers skip "_" files.
 MARKER = "_SUCCESS.json"
+# Written first, removed once MARKER is there: a job is writing here (or was stopped), and its files
+# are the ones whose names start with its job id. With MARKER's file list, the record of every file
+# ftflow may delete in the folder.
+CLAIM = "_WRITING.json"
 
 
-def clear_marked(uri: str) -> None:
-    """Remove an output folder completed by a MARKER: the marker goes first, so no reader ever sees
-    it beside a half-deleted output."""
-    fs, path = filesystem(uri)
-    marker_path = filesystem(join(uri, MARKER))[1]
-    if fs.exists(marker_path):
-        fs.rm(marker_path)
-    if fs.exists(path):
-        fs.rm(path, recursive=True)
+@dataclass(frozen=True)
+class OutputFolder:
+    """A folder ftflow writes one whole result into, file by file on the record. A job starts only
+    in a folder that is empty or holds nothing but an earlier ftflow job's recorded files; it removes
+    exactly those (the marker first) and nothing else, so a user's file in the folder is never
+    touched: the folder is refused instead, naming the file."""
+
+    uri: str
+
+    def files(self) -> set[str]:
+        """Every file under the folder, as paths relative to it."""
+        fs, path = filesystem(self.uri)
+        fs.invalidate_cache(path)  # s3fs caches listings, and Ray workers wrote here since
+        return {os.path.relpath(found, path) for found in fs.find(path)} if fs.exists(path) else set()
+
+    def owned(self, present: set[str]) -> set[str]:
+        """The files present that ftflow's jobs recorded: the marker's list, a claiming job's earlier
+        list and its job-named files, the two records themselves and their write-aside copies."""
+        records = {name: read_json(join(self.uri, name)) for name in (MARKER, CLAIM) if name in present}
+        listed = set(records.get(MARKER, {}).get("files", [])) | set(records.get(CLAIM, {}).get("replacing", []))
+        job = records.get(CLAIM, {}).get("job")
+        return {f for f in present if f in listed or f in (MARKER, CLAIM) or (job and Path(f).name.startswith(f"{job}_"))
+                or any(Path(f).name.startswith(f".{record}.") for record in (MARKER, CLAIM))}
+
+    def check(self) -> None:
+        fs, path = filesystem(self.uri)
+        if fs.isfile(path):
+            raise UnsafeOutput(f"output {normalize(self.uri)} is a file: name a folder for ftflow to write into")
+        present = self.files()
+        foreign = sorted(present - self.owned(present))
+        if foreign:
+            raise UnsafeOutput(f"output {normalize(self.uri)} holds {join(normalize(self.uri), foreign[0])}"
+                               f"{f' and {len(foreign) - 1} more file(s)' if len(foreign) > 1 else ''}, which ftflow did "
+                               "not write: ftflow writes only into an empty folder or over its own earlier output; "
+                               "choose another output location")
+
+    def start(self) -> str:
+        """Claim the folder for a new job and remove the earlier job's files (the marker first, so no
+        reader sees it beside a half-removed result). Returns the job id that must start the name of
+        every file the job writes here (f"{job}_...")."""
+        self.check()
+        present = self.files()
+        earlier = sorted(self.owned(present) - {MARKER, CLAIM})
+        job = uuid.uuid4().hex[:16]
+        write_json(join(self.uri, CLAIM), {"job": job, "replacing": earlier})
+        fs = filesystem(self.uri)[0]
+        for name in ([MARKER] if MARKER in present else []) + earlier:
+            fs.rm_file(filesystem(join(self.uri, name))[1])
+        return job
+
+    def written(self, job: str) -> list[str]:
+        """The files job wrote here so far, relative to the folder."""
+        return sorted(f for f in self.files() if Path(f).name.startswith(f"{job}_"))
+
+    def complete(self, written: list[str], summary: dict) -> None:
+        """Record the job's files in the marker (written last, so it says the result is whole), then
+        drop the claim."""
+        write_json(join(self.uri, MARKER), {**summary, "files": written})
+        filesystem(self.uri)[0].rm_file(filesystem(join(self.uri, CLAIM))[1])
 
 
 def size(uri: str) -> int:
@@ -148,6 +246,23 @@ def pyarrow_filesystem(uri: str) -> tuple[str, pyarrow.fs.FileSystem | None]:
 class RunStore:
     root: str
     run_id: str
+
+    # Everything ftflow writes in a run's folder: a folder holding anything else is not ftflow's.
+    LAYOUT = frozenset({"train", "model", "metrics.json", "predictions", "report", "manifest.json"})
+
+    def __post_init__(self) -> None:
+        safe_name(self.run_id, "run_id")
+
+    def check(self) -> None:
+        """Refuse, before any work, a run folder that holds what ftflow did not write (a re-run with the
+        same run_id resumes in its own folder; a folder of someone else's stays untouched)."""
+        fs, path = filesystem(self.base)
+        foreign = sorted(name for name in (Path(p).name for p in fs.ls(path, detail=False)) if name not in self.LAYOUT
+                         ) if fs.isdir(path) else []
+        if foreign:
+            raise UnsafeOutput(f"run folder {self.base} holds {join(self.base, foreign[0])}, which ftflow did not write: "
+                               "choose another run_id")
+        OutputFolder(self.predictions).check()
 
     @property
     def base(self) -> str:

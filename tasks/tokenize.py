@@ -67,7 +67,7 @@ def tokenize_key(splits: dict[str, Split], tokenizer: PreTrainedTokenizerBase, m
     )
 
 
-def _tokenize_splits(splits: dict[str, Split], tokenizer: Tokenizer, targets: dict[str, str]) -> dict[str, int]:
+def _tokenize_splits(splits: dict[str, Split], tokenizer: Tokenizer, targets: dict[str, str], job: str) -> dict[str, int]:
     """Every split in one Ray Data pipeline, a task per shard, at most one per CPU: the work is
     CPU-bound, and on a 2-CPU machine a pool of READ_CPUS tasks (eight) ran 4x slower, starting Ray
     workers that add no speed. READ_CPUS each still, so the tasks never wait on CPUs that model
@@ -79,7 +79,7 @@ def _tokenize_splits(splits: dict[str, Split], tokenizer: Tokenizer, targets: di
     work = shards(splits, cpus)
     pipeline = (
         ray.data.from_items([{"shard": i} for i in range(len(work))], override_num_blocks=len(work))
-        .map_batches(write_shards(work, splits["train"].schema, tokenizer, targets), batch_size=1,
+        .map_batches(write_shards(work, splits["train"].schema, tokenizer, targets, job), batch_size=1,
                      batch_format="pandas", num_cpus=cluster.READ_CPUS,
                      compute=ray.data.TaskPoolStrategy(size=min(len(work), cpus)))
     )
@@ -96,14 +96,16 @@ def tokenize(
     key: TokenizeKey, splits: dict[str, Split], model_name_or_path: str, ray_address: str | None = None
 ) -> dict[str, str]:
     """Write each split's token ids as Parquet under <root>/tokenized/<key>/; return their URIs."""
-    storage.clear_marked(key.target)  # leftovers of an interrupted attempt must not mix with this one
+    output = storage.OutputFolder(key.target)
+    output.check()
     cluster.connect(ray_address)
+    job = output.start()  # leftovers of an interrupted attempt must not mix with this one
     tokenizer = truncating(load_tokenizer(model_name_or_path), key.max_length)
     uris = {name: storage.join(key.target, name) for name in SPLITS}
-    rows = _tokenize_splits(splits, tokenizer, uris)
+    rows = _tokenize_splits(splits, tokenizer, uris, job)
     for name in SPLITS:
         if rows[name] != splits[name].total_rows:  # a file changed since it was checked
             raise RuntimeError(f"{name}: wrote {rows[name]} rows, but its files held {splits[name].total_rows} when checked")
-    storage.write_json(storage.join(key.target, storage.MARKER), {"rows": rows})
+    output.complete(output.written(job), {"rows": rows})
     get_run_logger().info("tokenized %s rows into %s", rows, key.target)
     return uris

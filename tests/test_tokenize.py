@@ -6,13 +6,14 @@ import shutil
 from pathlib import Path
 
 import pyarrow.parquet as pq
+import pytest
 from prefect import flow
 
 from conftest import read_jsonl
 from tasks import data, storage
 from tasks.config import DataConfig
 from tasks.data import load_splits
-from tasks.storage import MARKER
+from tasks.storage import CLAIM, MARKER
 from tasks.tokenize import load_tokenizer, tokenize, tokenize_key
 from test_data import mixed_split
 
@@ -65,7 +66,7 @@ def test_split_of_many_files_tokenizes_exactly_its_rows(ray_cluster, tiny_model,
     assert len(list(Path(uris["train"]).glob("*.parquet"))) == cpus, "the pieces shared out, a task per CPU"
 
 
-def test_shards_without_their_marker_are_tokenized_again(ray_cluster, tiny_model, small_data, tmp_path):
+def test_an_interrupted_attempt_is_replaced_by_the_next_one(ray_cluster, tiny_model, small_data, tmp_path):
     splits = splits_in(tmp_path / "data", small_data)
     key = tokenize_key(splits, load_tokenizer(str(tiny_model)), 32, str(tmp_path / "store"))
 
@@ -73,14 +74,19 @@ def test_shards_without_their_marker_are_tokenized_again(ray_cluster, tiny_model
     def tokenize_as_finetune_does():  # flows/finetune.py: the cache is trusted only where the marker is
         return tokenize.with_options(refresh_cache=not key.shards_exist())(key, splits, str(tiny_model), return_state=True)
 
-    assert tokenize_as_finetune_does().name == "Completed"
-    assert tokenize_as_finetune_does().name == "Cached"
-    # What an attempt interrupted mid-write leaves: part of the shards and no marker.
-    storage.filesystem(key.target)[0].rm(storage.join(key.target, MARKER))
-    shutil.rmtree(storage.join(key.target, "test"))
-    assert not key.shards_exist()
+    # A file changed after it was checked: the attempt fails mid-write, leaving its claim, no marker.
+    test_file = Path(splits["test"].uris[0])
+    checked = test_file.read_bytes()
+    test_file.write_bytes(checked.replace(b'"label": 1}', b'"label": 7}', 1))
+    with pytest.raises(Exception, match="labels outside"):
+        tokenize_as_finetune_does()
+    assert storage.exists(storage.join(key.target, CLAIM)) and not key.shards_exist()
 
+    test_file.write_bytes(checked)
     again = tokenize_as_finetune_does()
     assert again.name == "Completed" and key.shards_exist()
-    assert storage.read_json(storage.join(key.target, MARKER))["rows"] == {"train": 2048, "validation": 128, "test": 128}
+    marker = storage.read_json(storage.join(key.target, MARKER))
+    assert marker["rows"] == {"train": 2048, "validation": 128, "test": 128}
+    assert storage.OutputFolder(key.target).files() == {*marker["files"], MARKER}, "the failed attempt's files are gone"
     assert pq.read_table(again.result()["test"]).num_rows == 128
+    assert tokenize_as_finetune_does().name == "Cached"
