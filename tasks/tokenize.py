@@ -96,12 +96,14 @@ def tokenize(
     key: TokenizeKey, splits: dict[str, Split], model_name_or_path: str, ray_address: str | None = None
 ) -> dict[str, str]:
     """Write each split's token ids as Parquet under <root>/tokenized/<key>/; return their URIs."""
+    uris = {name: storage.join(key.target, name) for name in SPLITS}
+    if key.shards_exist():  # complete shards of this content, from a run whose cache entry is not here: reuse them
+        return uris  # (tokenizing again would first remove shards another run may be training on)
     output = storage.OutputFolder(key.target)
     output.check()
     cluster.connect(ray_address)
     job = output.start()  # leftovers of an interrupted attempt must not mix with this one
     tokenizer = truncating(load_tokenizer(model_name_or_path), key.max_length)
-    uris = {name: storage.join(key.target, name) for name in SPLITS}
     rows = _tokenize_splits(splits, tokenizer, uris, job)
     for name in SPLITS:
         if rows[name] != splits[name].total_rows:  # a file changed since it was checked

@@ -66,7 +66,7 @@ def test_split_of_many_files_tokenizes_exactly_its_rows(ray_cluster, tiny_model,
     assert len(list(Path(uris["train"]).glob("*.parquet"))) == cpus, "the pieces shared out, a task per CPU"
 
 
-def test_an_interrupted_attempt_is_replaced_by_the_next_one(ray_cluster, tiny_model, small_data, tmp_path):
+def test_an_interrupted_attempt_is_replaced_and_complete_shards_reused(ray_cluster, tiny_model, small_data, tmp_path):
     splits = splits_in(tmp_path / "data", small_data)
     key = tokenize_key(splits, load_tokenizer(str(tiny_model)), 32, str(tmp_path / "store"))
 
@@ -90,3 +90,13 @@ def test_an_interrupted_attempt_is_replaced_by_the_next_one(ray_cluster, tiny_mo
     assert storage.OutputFolder(key.target).files() == {*marker["files"], MARKER}, "the failed attempt's files are gone"
     assert pq.read_table(again.result()["test"]).num_rows == 128
     assert tokenize_as_finetune_does().name == "Cached"
+
+    # A machine whose Prefect cache lacks the key finds the complete shards: reused, not rewritten.
+    stamps = {f: (Path(key.target) / f).stat().st_mtime_ns for f in marker["files"]}
+
+    @flow
+    def tokenize_without_the_cache_entry():
+        return tokenize.with_options(refresh_cache=True)(key, splits, str(tiny_model))
+
+    assert tokenize_without_the_cache_entry() == again.result()
+    assert {f: (Path(key.target) / f).stat().st_mtime_ns for f in storage.OutputFolder(key.target).files() - {MARKER}} == stamps
