@@ -14,17 +14,25 @@ READ_CPUS = 0.25
 
 
 def connect(address: str | None = None) -> None:
-    """Join `address`, else RAY_ADDRESS, else start a local Ray in this process."""
+    """Join `address`, else RAY_ADDRESS, else start a local Ray in this process. Ray's ports listen
+    on every interface, even a laptop's, so a local Ray keeps Ray's default token authentication
+    (its token in ~/.ray/auth_token); a cluster's token comes from the environment
+    (RAY_AUTH_MODE=token, RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH), never from a parameter."""
     if ray.is_initialized():
         return
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a laptop cluster needs no token
     address = address or os.environ.get("RAY_ADDRESS")
-    if address:
-        ray.init(address=address)
-    else:
+    if not address:
         # "local": a plain ray.init() joins the last `ray start` cluster on this machine, and hangs
         # when that one has stopped (its address file outlives it).
         ray.init(address="local", include_dashboard=False, configure_logging=False)
+        return
+    try:
+        ray.init(address=address)
+    except ConnectionError as error:  # Ray's own says "failed to connect", its cause says why
+        if "token is missing or incorrect" not in str(error.__cause__):
+            raise
+        raise ConnectionError(f"the Ray cluster at {address} refused this driver's token (or its lack of one): set "
+                              "RAY_AUTH_MODE=token and RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH to the cluster's token") from None
 
 
 def describe() -> dict:

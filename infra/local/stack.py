@@ -5,12 +5,15 @@ deployments (deployments/serve.py), each a process of its own that outlives this
     make stack-down   # stop the runner (no new runs), then the Ray head, then the server
 
 State lives in .stack/ (FTFLOW_STACK_DIR): each process's pid and log, and the server's database.
-Ports: FTFLOW_PREFECT_PORT (4200) and FTFLOW_RAY_PORT (6379), on 127.0.0.1 only.
+Ports: FTFLOW_PREFECT_PORT (4200) and FTFLOW_RAY_PORT (6379). The Prefect server listens on
+127.0.0.1 only; Ray's ports listen on every interface whatever address it is given, so the head
+requires a token, made for the stack in .stack/ray-auth-token (readable by its owner only).
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -29,6 +32,18 @@ BIN = Path(sys.executable).parent
 READY_S = 120
 
 
+RAY_TOKEN = STATE / "ray-auth-token"
+
+
+def ray_token() -> Path:
+    """The stack's Ray token: made once, readable by this user only (Ray's own ~/.ray/auth_token is
+    created readable by every user of the machine)."""
+    if not RAY_TOKEN.exists():
+        with os.fdopen(os.open(RAY_TOKEN, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+            f.write(secrets.token_hex(32))
+    return RAY_TOKEN
+
+
 def stack_env() -> dict[str, str]:
     return {
         **os.environ,
@@ -36,7 +51,8 @@ def stack_env() -> dict[str, str]:
         "PREFECT_API_URL": f"{UI}/api",
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "RAY_ADDRESS": f"127.0.0.1:{RAY_PORT}",
-        "RAY_AUTH_MODE": "disabled",
+        "RAY_AUTH_MODE": "token",
+        "RAY_AUTH_TOKEN_PATH": str(RAY_TOKEN),
     }
 
 
@@ -108,11 +124,13 @@ def deployments_ready() -> bool:
 
 def up() -> None:
     STATE.mkdir(parents=True, exist_ok=True)
+    ray_token()
     ready = {"prefect-server": server_ready, "ray-head": lambda: port_open(RAY_PORT), "runner": deployments_ready}
     for name, command in PROCESSES:
         start(name, command)
         wait_until(ready[name], name)
-    print(f"\nPrefect UI:      {UI}\nPREFECT_API_URL: {UI}/api\nRAY_ADDRESS:     127.0.0.1:{RAY_PORT}")
+    print(f"\nPrefect UI:      {UI}\nPREFECT_API_URL: {UI}/api\nRAY_ADDRESS:     127.0.0.1:{RAY_PORT}"
+          f"\nRay's token:     RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH={RAY_TOKEN}")
 
 
 def stop(name: str, grace_s: float = 60) -> None:
