@@ -5,8 +5,10 @@ registered with a work pool for a cluster (deployments/deploy.py).
     batch_infer/on-demand  no schedule: runs are triggered from the UI, the CLI or the API
 
 Training runs hold a Ray cluster's CPUs or GPUs for a long time, so the `train` task carries the
-tag tasks.train.TRAINING_TAG and a Prefect concurrency limit of 1 on that tag (limit_training)
-queues a second training run until the first one's training is done.
+tag tasks.train.TRAINING_TAG and a Prefect concurrency limit of 1 on that tag (limit_concurrency)
+queues a second training run until the first one's training is done. Likewise one `tokenize` task
+at a time (tasks.tokenize.TOKENIZE_TAG): two runs of the same data would otherwise write the same
+content-addressed shards at once; the second one finds them complete and reuses them.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from prefect.schedules import Cron
 from flows.batch_infer import batch_infer
 from flows.finetune import finetune
 from tasks.config import FinetuneParams
+from tasks.tokenize import TOKENIZE_TAG
 from tasks.train import TRAINING_TAG
 
 RETRAIN_CONFIG = Path(__file__).with_name("retrain.yaml")
@@ -52,7 +55,8 @@ def deployments(config_path: Path = RETRAIN_CONFIG) -> list[RunnerDeployment]:
     ]
 
 
-def limit_training(limit: int = 1) -> None:
-    """At most `limit` training tasks at once on the server's runs (creating it again updates it)."""
+def limit_concurrency() -> None:
+    """One training and one tokenize task at a time on the server's runs (creating a limit again updates it)."""
     with get_client(sync_client=True) as client:
-        client.create_concurrency_limit(tag=TRAINING_TAG, concurrency_limit=limit)
+        for tag in (TRAINING_TAG, TOKENIZE_TAG):
+            client.create_concurrency_limit(tag=tag, concurrency_limit=1)

@@ -12,12 +12,12 @@ import argparse
 
 from prefect import deploy
 
-from deployments.definitions import deployments, limit_training
+from deployments.definitions import deployments, limit_concurrency
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--pool", required=True, help="work pool name")
     parser.add_argument("--image", help="for container pools: the image holding ftflow and its pinned stack")
     args = parser.parse_args()
-    limit_training()
+    limit_concurrency()
     deploy(*deployments(), work_pool_name=args.pool, image=args.image, build=False, push=False, ignore_warnings=True)

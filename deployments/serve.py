@@ -4,8 +4,8 @@ PREFECT_API_URL and RAY_ADDRESS naming the stack's server and Ray head."""
 
 from prefect import serve
 
-from deployments.definitions import deployments, limit_training
+from deployments.definitions import deployments, limit_concurrency
 
 if __name__ == "__main__":
-    limit_training()
+    limit_concurrency()
     serve(*deployments())

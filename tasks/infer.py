@@ -113,7 +113,7 @@ def predict_files(
     seconds = time.perf_counter() - started
     written = output.written(job)
     rows = pyarrow.dataset.dataset([f"{out_path}/{name}" for name in written], filesystem=out_fs, format="parquet").count_rows()
-    output.complete(written, {
+    output.complete(job, written, {
         "rows": rows,
         "inputs": {uri: storage.fingerprint(uri) for uri in files},
         "model": {"uri": model_uri, "fingerprint": storage.fingerprint(model_uri)},

@@ -195,9 +195,13 @@ class OutputFolder:
         """The files job wrote here so far, relative to the folder."""
         return sorted(f for f in self.files() if Path(f).name.startswith(f"{job}_"))
 
-    def complete(self, written: list[str], summary: dict) -> None:
+    def complete(self, job: str, written: list[str], summary: dict) -> None:
         """Record the job's files in the marker (written last, so it says the result is whole), then
-        drop the claim."""
+        drop the claim. A job whose claim another job took over (two writers at once, which the
+        deployments' concurrency limits prevent) fails rather than vouch for a mixed folder."""
+        claim = join(self.uri, CLAIM)
+        if not exists(claim) or read_json(claim)["job"] != job:
+            raise RuntimeError(f"{normalize(self.uri)}: another job took this folder over while job {job} wrote; run again")
         write_json(join(self.uri, MARKER), {**summary, "files": written})
         filesystem(self.uri)[0].rm_file(filesystem(join(self.uri, CLAIM))[1])
 

@@ -91,7 +91,12 @@ def _tokenize_splits(splits: dict[str, Split], tokenizer: Tokenizer, targets: di
     return {name: sum(shard["rows"] for shard in written if shard["split"] == name) for name in SPLITS}
 
 
-@task(cache_policy=INPUTS - "splits" - "model_name_or_path" - "ray_address", persist_result=True)
+# Carried by every tokenize task run: a Prefect concurrency limit of 1 on it (deployments/) keeps two
+# runs of the same data from writing the same shards at once; the second then reuses the first's.
+TOKENIZE_TAG = "tokenize"
+
+
+@task(cache_policy=INPUTS - "splits" - "model_name_or_path" - "ray_address", persist_result=True, tags=[TOKENIZE_TAG])
 def tokenize(
     key: TokenizeKey, splits: dict[str, Split], model_name_or_path: str, ray_address: str | None = None
 ) -> dict[str, str]:
@@ -108,6 +113,6 @@ def tokenize(
     for name in SPLITS:
         if rows[name] != splits[name].total_rows:  # a file changed since it was checked
             raise RuntimeError(f"{name}: wrote {rows[name]} rows, but its files held {splits[name].total_rows} when checked")
-    output.complete(output.written(job), {"rows": rows})
+    output.complete(job, output.written(job), {"rows": rows})
     get_run_logger().info("tokenized %s rows into %s", rows, key.target)
     return uris

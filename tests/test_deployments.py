@@ -7,6 +7,7 @@ import yaml
 from pydantic import ValidationError
 
 from deployments.definitions import RETRAIN_CONFIG, deployments
+from tasks.tokenize import TOKENIZE_TAG, tokenize
 from tasks.train import TRAINING_TAG, train
 
 
@@ -18,7 +19,7 @@ def test_retraining_is_scheduled_with_the_files_parameters():
     assert (schedule.cron, schedule.timezone) == (config["cron"], config["timezone"])
     assert retrain.parameters == {"params": config["parameters"]}, "only what the file sets: the rest is filled where it runs"
     assert not on_demand.schedules
-    assert TRAINING_TAG in train.tags
+    assert TRAINING_TAG in train.tags and TOKENIZE_TAG in tokenize.tags
 
 
 def test_a_bad_parameter_in_the_file_is_refused_before_serving(tmp_path):
