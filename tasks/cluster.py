@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 
@@ -22,6 +23,9 @@ def connect(address: str | None = None) -> None:
         return
     address = address or os.environ.get("RAY_ADDRESS")
     if not address:
+        # Ray's notice that it turned token authentication on ends "Set RAY_AUTH_MODE=disabled to opt
+        # out": advice ftflow does not want a person to take.
+        logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
         # "local": a plain ray.init() joins the last `ray start` cluster on this machine, and hangs
         # when that one has stopped (its address file outlives it).
         ray.init(address="local", include_dashboard=False, configure_logging=False)
