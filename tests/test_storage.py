@@ -1,9 +1,11 @@
-"""Storage: what ftflow writes is read whole or not at all, and reads back as written."""
+"""Storage: what ftflow writes is read whole or not at all, and never lands on an input or a file."""
 
 from __future__ import annotations
 
 import json
 import threading
+
+import pytest
 
 from tasks import storage
 
@@ -32,3 +34,25 @@ def test_a_reader_never_sees_a_json_file_half_written(tmp_path):
     assert not torn, f"{len(torn)} reads saw a partly written file"
     assert storage.read_json(str(target))["version"] == 29
     assert [p.name for p in target.parent.iterdir()] == ["manifest.json"]
+
+
+def test_overlap_is_by_whole_path_segments(tmp_path):
+    """corpus2/ is apart from corpus/; a folder, a file, a prefix on S3 are compared alike."""
+    cases = {
+        (f"{tmp_path}/corpus", f"{tmp_path}/corpus"): "is the input",
+        (f"{tmp_path}/corpus/out", f"{tmp_path}/corpus"): "is inside the input",
+        (f"{tmp_path}", f"{tmp_path}/corpus/a.jsonl"): "holds the input",
+        ("s3://bucket/corpus/", "s3://bucket/corpus/a.jsonl"): "holds the input",
+    }
+    for (output, input_), how in cases.items():
+        with pytest.raises(storage.UnsafeOutput, match=how):
+            storage.refuse_overlap([output], [input_])
+    storage.refuse_overlap([f"{tmp_path}/corpus2", "s3://bucket/corpus2"], [f"{tmp_path}/corpus", "s3://bucket/corpus"])
+    storage.refuse_overlap([f"{tmp_path}/corpus"], ["s3://bucket" + str(tmp_path) + "/corpus"])
+
+
+def test_an_output_that_is_a_file_is_refused(tmp_path):
+    (tmp_path / "labels.parquet").write_bytes(b"the user's")
+    with pytest.raises(storage.UnsafeOutput, match="labels.parquet is a file"):
+        storage.OutputFolder(str(tmp_path / "labels.parquet")).check()
+    assert (tmp_path / "labels.parquet").read_bytes() == b"the user's"
