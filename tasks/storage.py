@@ -156,7 +156,7 @@ class OutputFolder:
         fs.invalidate_cache(path)  # s3fs caches listings, and Ray workers wrote here since
         return {os.path.relpath(found, path) for found in fs.find(path)} if fs.exists(path) else set()
 
-    def owned(self, present: set[str]) -> set[str]:
+    def _owned(self, present: set[str]) -> set[str]:
         """The files present that ftflow's jobs recorded: the marker's list, a claiming job's earlier
         list and its job-named files, the two records themselves and their write-aside copies."""
         records = {name: read_json(join(self.uri, name)) for name in (MARKER, CLAIM) if name in present}
@@ -165,30 +165,32 @@ class OutputFolder:
         return {f for f in present if f in listed or f in (MARKER, CLAIM) or (job and Path(f).name.startswith(f"{job}_"))
                 or any(Path(f).name.startswith(f".{record}.") for record in (MARKER, CLAIM))}
 
-    def check(self) -> None:
+    def check(self) -> set[str]:
+        """Refuse a folder holding a file ftflow did not record; else the files it did record."""
         fs, path = filesystem(self.uri)
         if fs.isfile(path):
             raise UnsafeOutput(f"output {normalize(self.uri)} is a file: name a folder for ftflow to write into")
         present = self.files()
-        foreign = sorted(present - self.owned(present))
+        owned = self._owned(present)
+        foreign = sorted(present - owned)
         if foreign:
             raise UnsafeOutput(f"output {normalize(self.uri)} holds {join(normalize(self.uri), foreign[0])}"
                                f"{f' and {len(foreign) - 1} more file(s)' if len(foreign) > 1 else ''}, which ftflow did "
                                "not write: ftflow writes only into an empty folder or over its own earlier output; "
                                "choose another output location")
+        return owned
 
     def start(self) -> str:
         """Claim the folder for a new job and remove the earlier job's files (the marker first, so no
-        reader sees it beside a half-removed result). Returns the job id that must start the name of
-        every file the job writes here (f"{job}_...")."""
-        self.check()
-        present = self.files()
-        earlier = sorted(self.owned(present) - {MARKER, CLAIM})
+        reader sees it beside a half-removed result). Checked again here, at the last moment: a file
+        put in the folder since the caller's check is refused too. Returns the job id that must
+        start the name of every file the job writes here (f"{job}_...")."""
+        owned = self.check()
+        earlier = sorted(owned - {MARKER, CLAIM})
         job = uuid.uuid4().hex[:16]
         write_json(join(self.uri, CLAIM), {"job": job, "replacing": earlier})
-        fs = filesystem(self.uri)[0]
-        for name in ([MARKER] if MARKER in present else []) + earlier:
-            fs.rm_file(filesystem(join(self.uri, name))[1])
+        for name in ([MARKER] if MARKER in owned else []) + earlier:
+            self._remove(name)
         return job
 
     def written(self, job: str) -> list[str]:
@@ -203,7 +205,12 @@ class OutputFolder:
         if not exists(claim) or read_json(claim)["job"] != job:
             raise RuntimeError(f"{normalize(self.uri)}: another job took this folder over while job {job} wrote; run again")
         write_json(join(self.uri, MARKER), {**summary, "files": written})
-        filesystem(self.uri)[0].rm_file(filesystem(join(self.uri, CLAIM))[1])
+        self._remove(CLAIM)
+
+    def _remove(self, name: str) -> None:
+        """The one delete in ftflow: a single file of this folder, by its recorded name."""
+        fs, path = filesystem(join(self.uri, name))
+        fs.rm_file(path)
 
 
 def size(uri: str) -> int:
@@ -261,8 +268,8 @@ class RunStore:
         """Refuse, before any work, a run folder that holds what ftflow did not write (a re-run with the
         same run_id resumes in its own folder; a folder of someone else's stays untouched)."""
         fs, path = filesystem(self.base)
-        foreign = sorted(name for name in (Path(p).name for p in fs.ls(path, detail=False)) if name not in self.LAYOUT
-                         ) if fs.isdir(path) else []
+        names = {Path(found).name for found in fs.ls(path, detail=False)} if fs.isdir(path) else set()
+        foreign = sorted(names - self.LAYOUT)
         if foreign:
             raise UnsafeOutput(f"run folder {self.base} holds {join(self.base, foreign[0])}, which ftflow did not write: "
                                "choose another run_id")
