@@ -40,8 +40,7 @@ def finetune(params: FinetuneParams = FinetuneParams()) -> dict:
         tokenized = tokenize.with_options(refresh_cache=not key.shards_exist())(
             key, splits, params.model.name_or_path, params.ray_address)
     with took("train"):
-        training = train(tokenized, params.model.name_or_path, params.model.max_length, params.data.label_names,
-                         params.train, store.base, params.ray_address)
+        training = train(tokenized, params.model, params.data.label_names, params.train, store.base, params.ray_address)
     with took("evaluate"):
         metrics = evaluate(store.model_dir, splits["test"], store.metrics)
     with took("promote"):
@@ -55,7 +54,7 @@ def finetune(params: FinetuneParams = FinetuneParams()) -> dict:
     config = params.model_dump(mode="json")
     outputs = {"tokenized": tokenized, "checkpoints": store.train_dir, "model": store.model_dir, "metrics": store.metrics,
                "predictions": predictions, "report": store.report, "manifest": store.manifest}
-    results = {"test": metrics, "training": training, "promotion": promotion}
+    results = {"test": metrics, "training": training.model_dump(include={"history", "curve"}), "promotion": promotion}
     publish_report(store, config, splits, outputs, results, took.seconds)
     write_manifest(
         store.manifest,

@@ -12,6 +12,12 @@ import ray
 # workers, so an actor pool as large as the cluster cannot starve the reads that feed it (a
 # deadlock otherwise) nor the writes that drain it.
 READ_CPUS = 0.25
+# One CPU of every cluster is left to Ray Data's own tasks: those that split the training stream
+# equally between workers ask for a whole CPU and cannot be told otherwise, and once training
+# workers held every CPU, training waited for its first batch forever. A local Ray therefore
+# declares one CPU more than the machine has: that CPU's work (reading Parquet, shuffling token ids)
+# is light beside a model's.
+DATA_CPUS = 1
 
 
 def connect(address: str | None = None) -> None:
@@ -28,7 +34,7 @@ def connect(address: str | None = None) -> None:
         logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
         # "local": a plain ray.init() joins the last `ray start` cluster on this machine, and hangs
         # when that one has stopped (its address file outlives it).
-        ray.init(address="local", include_dashboard=False, configure_logging=False)
+        ray.init(address="local", num_cpus=(os.cpu_count() or 1) + DATA_CPUS, include_dashboard=False, configure_logging=False)
         return
     try:
         ray.init(address=address)
@@ -53,8 +59,9 @@ class Resources:
 
     @classmethod
     def of_cluster(cls) -> Resources:
+        """What ftflow's stages may take: the cluster's CPUs less DATA_CPUS, and its GPUs."""
         total = ray.cluster_resources()
-        return cls(cpus=total.get("CPU", 0.0), gpus=int(total.get("GPU", 0)))
+        return cls(cpus=max(0.0, total.get("CPU", 0.0) - DATA_CPUS), gpus=int(total.get("GPU", 0)))
 
     def training_workers(self, requested: int | None, cpus_per_worker: float) -> int:
         fits = self.gpus if self.gpus else int(self.cpus // cpus_per_worker)

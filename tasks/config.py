@@ -89,6 +89,8 @@ class TrainConfig(BaseModel):
     activation_offload: bool = Field(False, description="Move saved activations to CPU memory (GPU only).")
     precision: Literal["auto", "fp32", "fp16", "bf16"] = Field("auto", description="auto: bf16 on GPU, fp32 on CPU.")
     epochs: int = Field(1, ge=1)
+    max_steps: int | None = Field(None, ge=1, description="Stop after this many optimizer steps (the learning-rate schedule ends there too); "
+                                                          "default: every step of every epoch.")
     batch_size: int = Field(32, ge=1, description="Global batch: micro_batch_size x gradient accumulation x workers.")
     micro_batch_size: int | None = Field(None, ge=1, description="Per worker and step; default: batch_size / workers (no accumulation).")
     learning_rate: float = Field(1e-4, gt=0, description="Peak learning rate, after linear warm-up; then linear decay to 0.")
@@ -99,6 +101,9 @@ class TrainConfig(BaseModel):
     log_every_steps: int = Field(10, ge=1, description="Training loss and accuracy are averaged over every N optimizer steps for the report's curve.")
     eval_every_steps: int = Field(100, ge=0, description="Also evaluate on the validation split every N optimizer steps (0: at epoch ends only).")
     checkpoint_every_steps: int = Field(0, ge=0, description="Also checkpoint the DeepSpeed state every N optimizer steps (0: at epoch ends only).")
+    shuffle_buffer_rows: int = Field(2048, ge=1, description="Training rows a worker shuffles among each epoch, after one seeded shuffle of the whole split.")
+    prefetch_batches: int = Field(1, ge=0, description="Micro-batches a worker prepares ahead: with micro-batch size and the shuffle buffer, "
+                                                      "what its data costs in memory, whatever the corpus size.")
     max_failures: int = Field(2, ge=0, description="Worker failures survived by restarting from the last checkpoint.")
     deepspeed: dict = Field({}, description="Raw DeepSpeed JSON merged over the derived one, for experts.")
 

@@ -36,6 +36,16 @@ def truncating(tokenizer: PreTrainedTokenizerBase, max_length: int) -> Tokenizer
     return core
 
 
+def padded(rows: list, lengths: np.ndarray, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """(input ids, attention mask) of a batch of token id rows, padded to its longest row: the one
+    padding of ftflow, for training batches and inference alike. Written out rather than the
+    tokenizer's `pad`: 21 vs 328 µs for a batch of 16 reviews here."""
+    input_ids = np.full((len(rows), lengths.max()), pad_id, dtype=np.int64)
+    for row, ids in enumerate(rows):
+        input_ids[row, : len(ids)] = ids
+    return input_ids, (np.arange(input_ids.shape[1]) < lengths[:, None]).astype(np.int64)
+
+
 class Predictor:
     """Texts -> (label, score). Each call encodes all its texts at once, orders them by token count
     and batches neighbours, so a batch pads to its own length rather than to the longest text of a
@@ -72,12 +82,8 @@ class Predictor:
         return labels, scores
 
     def padded(self, rows: list[list[int]], lengths: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """(input ids, attention mask) of a batch, padded to its longest row, on the model's device."""
-        input_ids = np.full((len(rows), lengths.max()), self.pad_id, dtype=np.int64)
-        for row, ids in enumerate(rows):
-            input_ids[row, : len(ids)] = ids
-        attention_mask = np.arange(input_ids.shape[1]) < lengths[:, None]
-        return torch.from_numpy(input_ids).to(self.device), torch.from_numpy(attention_mask.astype(np.int64)).to(self.device)
+        input_ids, attention_mask = padded(rows, lengths, self.pad_id)
+        return torch.from_numpy(input_ids).to(self.device), torch.from_numpy(attention_mask).to(self.device)
 
     def __call__(self, batch: pd.DataFrame) -> pd.DataFrame:
         ids, scores = self.predict(batch["text"].tolist())

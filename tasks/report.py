@@ -84,7 +84,7 @@ def summary(metrics: dict, promotion: dict) -> list[str]:
 
 
 def metric_rows(training: dict, metrics: dict, promotion: dict) -> list[dict]:
-    last = training["epochs"][-1]
+    last = training["history"][-1]
     rows = [("train", "loss", last["train_loss"]), ("validation", "loss", last["val_loss"]),
             ("validation", "accuracy", last["val_accuracy"]), ("test", "accuracy", metrics["accuracy"]),
             ("test", "macro_f1", metrics["macro_f1"])]
@@ -102,7 +102,7 @@ def table(rows: list[dict]) -> list[str]:
 def epoch_rows(training: dict) -> list[dict]:
     return [{"epoch": e["epoch"], "step": e["step"], "train loss": round(e["train_loss"], 4), "val loss": round(e["val_loss"], 4),
              "val accuracy": round(e["val_accuracy"], 4), "samples/s": round(e["samples_per_s"], 1),
-             "peak MiB per worker": round(e["peak_memory_mb"])} for e in training["epochs"]]
+             "peak MiB per worker": round(e["peak_memory_mb"])} for e in training["history"]]
 
 
 def data_rows(splits: dict[str, Split], tokenized: dict[str, str], root: str) -> list[dict]:

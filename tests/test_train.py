@@ -7,16 +7,20 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import psutil
+import pyarrow.parquet as pq
 import pytest
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, BertConfig, BertForSequenceClassification
 
 from conftest import read_jsonl, write_jsonl
-from tasks.config import DataConfig, TrainConfig
+from tasks.config import DataConfig, ModelConfig, TrainConfig
 from tasks.data import load_splits
 from tasks.tokenize import load_tokenizer, tokenize, tokenize_key
-from tasks.train import STATE_FILE, collate, read_tokenized, train
+from tasks.train import train
+from tasks.predictor import padded
+from tasks.train_worker import STATE_FILE, EpochRecord, Result
 
 LABELS = ["negative", "positive"]
 
@@ -30,19 +34,27 @@ def tokenized(ray_cluster, tiny_model, small_data, tmp_path_factory):
     return root, tokenize(key, splits, str(tiny_model))
 
 
+def validation_rows(uri: str) -> list[dict]:
+    return pq.read_table(uri).sort_by("row").select(["input_ids", "label"]).to_pylist()
+
+
 def logits_of(model_dir: Path, rows: list[dict]) -> torch.Tensor:
     model = AutoModelForSequenceClassification.from_pretrained(model_dir).eval()
     pad = AutoTokenizer.from_pretrained(model_dir).pad_token_id
+    logits = []
     with torch.no_grad():
-        batches = [collate(pad)(rows[i : i + 32]) for i in range(0, len(rows), 32)]
-        return torch.cat([model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits for b in batches])
+        for start in range(0, len(rows), 32):
+            ids = [r["input_ids"] for r in rows[start : start + 32]]
+            input_ids, mask = padded(ids, np.array([len(i) for i in ids]), pad)
+            logits.append(model(input_ids=torch.from_numpy(input_ids), attention_mask=torch.from_numpy(mask)).logits)
+    return torch.cat(logits)
 
 
-def assert_model_is_the_trained_engine(model_dir: Path, uris: dict, history: list[dict]) -> None:
+def assert_model_is_the_trained_engine(model_dir: Path, uris: dict, history: list[EpochRecord]) -> None:
     """The exported folder is complete, reloads, and predicts the validation split as the engine did."""
     assert {"config.json", "model.safetensors", "tokenizer.json", STATE_FILE} <= {p.name for p in model_dir.iterdir()}
     engine_predictions = json.loads((model_dir / STATE_FILE).read_text())["validation_predictions"]
-    rows = read_tokenized(uris["validation"])
+    rows = validation_rows(uris["validation"])
     logits = logits_of(model_dir, rows)
     reloaded = logits.argmax(-1).tolist()
     margins = (logits[:, 1] - logits[:, 0]).abs().tolist()
@@ -50,7 +62,11 @@ def assert_model_is_the_trained_engine(model_dir: Path, uris: dict, history: lis
     # Only a float-noise tie may flip a label between the engine and the reloaded weights.
     assert all(margins[i] < 1e-4 for i in range(len(rows)) if reloaded[i] != engine_predictions[i])
     accuracy = sum(p == r["label"] for p, r in zip(reloaded, rows)) / len(rows)
-    assert accuracy == pytest.approx(history[-1]["val_accuracy"], abs=1 / len(rows))
+    assert accuracy == pytest.approx(history[-1].val_accuracy, abs=1 / len(rows))
+
+
+def fit(uris: dict, model: Path, cfg: TrainConfig, run_dir: Path | str) -> Result:
+    return train(uris, ModelConfig(name_or_path=str(model), max_length=64), LABELS, cfg, str(run_dir))
 
 
 STRATEGIES = {
@@ -68,7 +84,7 @@ def test_exported_model_predicts_like_the_engine_at_end_of_training(strategy, to
     root, uris = tokenized
     run_dir = Path(root) / "runs" / strategy
     cfg = TrainConfig(epochs=1, batch_size=16, learning_rate=2e-3, num_workers=2, **STRATEGIES[strategy])
-    history = train(uris, str(tiny_model), 64, LABELS, cfg, str(run_dir))["epochs"]
+    history = fit(uris, tiny_model, cfg, run_dir).history
 
     model_dir = run_dir / "model"
     assert_model_is_the_trained_engine(model_dir, uris, history)
@@ -102,45 +118,50 @@ def test_killed_worker_resumes_from_the_last_checkpoint(tokenized, tiny_model):
     killer = threading.Thread(target=kill_a_worker_once_a_checkpoint_is_committed, args=(run_dir / "train" / "ray", killed, stop))
     killer.start()
     try:
-        trained = train(uris, str(tiny_model), 64, LABELS, cfg, str(run_dir))
+        trained = fit(uris, tiny_model, cfg, run_dir)
     finally:
         stop.set()
         killer.join()
 
     assert killed, "no training worker was killed"
-    history, curve, steps_per_epoch = trained["epochs"], trained["curve"], 2048 // 16
-    assert [row["epoch"] for row in history] == [1, 2, 3] and history[-1]["step"] == 3 * steps_per_epoch
-    resumed_from = history[-1]["resumed_from_step"]
+    history, curve, steps_per_epoch = trained.history, trained.curve, 2048 // 16
+    assert [row.epoch for row in history] == [1, 2, 3] and history[-1].step == 3 * steps_per_epoch
+    resumed_from = history[-1].resumed_from_step
     assert resumed_from > 0 and resumed_from % 10 == 0, "training restarted from step 0"
     assert_model_is_the_trained_engine(run_dir / "model", uris, history)
     # The report's curve has every step once across the restart: training every 10 steps
     # (log_every_steps), validation every 100 steps and at each epoch's end.
-    assert [point["step"] for point in curve["train"]] == list(range(10, 3 * steps_per_epoch + 1, 10))
-    assert [point["step"] for point in curve["validation"]] == [100, 128, 200, 256, 300, 384]
-    assert all(0 <= point["accuracy"] <= 1 and point["loss"] > 0 for point in curve["train"] + curve["validation"])
-    assert curve["validation"][-1]["accuracy"] == history[-1]["val_accuracy"]
+    assert [point.step for point in curve.train] == list(range(10, 3 * steps_per_epoch + 1, 10))
+    assert [point.step for point in curve.validation] == [100, 128, 200, 256, 300, 384]
+    assert all(0 <= point.accuracy <= 1 and point.loss > 0 for point in curve.train + curve.validation)
+    assert curve.validation[-1].accuracy == history[-1].val_accuracy
 
 
-def test_rerun_of_a_run_resumes_from_its_stored_checkpoint(tokenized, tiny_model):
-    """What a Prefect retry of the training task, or a flow re-run with the same run id, does."""
+def test_max_steps_bounds_a_run_and_a_rerun_continues_it(tokenized, tiny_model):
+    """max_steps stops mid-epoch; a re-run with the same run id (what a Prefect retry of the
+    training task or of the flow does) continues from that step, in the middle of the epoch."""
     root, uris = tokenized
-    run_dir = str(Path(root) / "runs" / "rerun")
-    first = train(uris, str(tiny_model), 64, LABELS, TrainConfig(epochs=1, batch_size=16, num_workers=2), run_dir)
-    longer = train(uris, str(tiny_model), 64, LABELS, TrainConfig(epochs=2, batch_size=16, num_workers=2), run_dir)
-    assert longer["epochs"][0] == first["epochs"][0], "the first epoch was trained again"
-    assert longer["epochs"][1]["resumed_from_step"] == first["epochs"][0]["step"] == 2048 // 16
-    assert longer["curve"]["train"][: len(first["curve"]["train"])] == first["curve"]["train"]
-    assert_model_is_the_trained_engine(Path(run_dir) / "model", uris, longer["epochs"])
+    run_dir = Path(root) / "runs" / "rerun"
+    first = fit(uris, tiny_model, TrainConfig(epochs=2, max_steps=50, batch_size=16, num_workers=2), run_dir)
+    assert [(row.epoch, row.step) for row in first.history] == [(round(50 / 128, 4), 50)]
+    assert_model_is_the_trained_engine(run_dir / "model", uris, first.history)
+
+    longer = fit(uris, tiny_model, TrainConfig(epochs=2, batch_size=16, num_workers=2), run_dir)
+    assert longer.history[0] == first.history[0], "the first 50 steps were trained again"
+    assert [(row.epoch, row.step, row.resumed_from_step) for row in longer.history[1:]] == [(1, 128, 50), (2, 256, 50)]
+    assert longer.curve.train[: len(first.curve.train)] == first.curve.train
+    assert [point.step for point in longer.curve.train] == list(range(10, 257, 10))
+    assert_model_is_the_trained_engine(run_dir / "model", uris, longer.history)
 
 
 def test_evaluating_more_often_trains_the_same_model(tokenized, tiny_model, tmp_path):
     """Evaluation cadence is a reporting choice: it must not change the dropout masks of the steps after it."""
     root, uris = tokenized
-    runs = {every: train(uris, str(tiny_model), 64, LABELS, TrainConfig(epochs=1, batch_size=16, num_workers=2, eval_every_steps=every),
-                         str(tmp_path / f"every-{every}")) for every in (0, 40)}
-    assert [p["step"] for p in runs[40]["curve"]["validation"]] == [40, 80, 120, 128]
-    assert runs[40]["curve"]["train"] == runs[0]["curve"]["train"]
-    assert runs[40]["curve"]["validation"][-1] == runs[0]["curve"]["validation"][-1]
+    runs = {every: fit(uris, tiny_model, TrainConfig(epochs=1, batch_size=16, num_workers=2, eval_every_steps=every),
+                       tmp_path / f"every-{every}") for every in (0, 40)}
+    assert [p.step for p in runs[40].curve.validation] == [40, 80, 120, 128]
+    assert runs[40].curve.train == runs[0].curve.train
+    assert runs[40].curve.validation[-1] == runs[0].curve.validation[-1]
 
 
 @pytest.fixture(scope="module")
@@ -168,6 +189,6 @@ def test_zero3_holds_less_memory_per_worker_than_zero0(wide_model, small_data, t
     for stage in (0, 3):
         # 4 workers on half a CPU each: ZeRO-3 keeps a quarter of the model state per worker.
         cfg = TrainConfig(zero_stage=stage, epochs=1, batch_size=16, num_workers=4, cpus_per_worker=0.5)
-        peak[stage] = train(uris, str(wide_model), 64, LABELS, cfg, str(tmp_path / f"zero{stage}"))["epochs"][-1]["peak_memory_mb"]
+        peak[stage] = fit(uris, wide_model, cfg, tmp_path / f"zero{stage}").history[-1].peak_memory_mb
     print(f"peak RSS per worker: ZeRO-0 {peak[0]:.0f} MiB, ZeRO-3 {peak[3]:.0f} MiB")
     assert peak[3] < 0.9 * peak[0], peak

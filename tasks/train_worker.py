@@ -1,0 +1,348 @@
+"""Stage 2, the worker side: what every Ray Train worker runs, a DeepSpeed engine fed by its shard of
+the streamed tokenized splits. The driver side (plan, DeepSpeed JSON, the Prefect task) is
+tasks/train.py; this module imports no Prefect, so workers start without it.
+
+The loop is ours (not the HF Trainer) so that the DeepSpeed engine, its ZeRO stage and its
+checkpoints stay visible and configurable; transformers still does all model I/O.
+
+What a worker sees of the data: Ray Data streams each split from its Parquet shards, and Ray Train
+splits the stream into equal parts, one per worker (`get_dataset_shard`). The driver pads each split
+with fewer ignored rows than there are workers, so the equal split drops no row and every worker
+runs the same number of micro-batches. The training split is shuffled once by Ray Data with the
+seed (the same permutation every epoch), then within a buffer of `shuffle_buffer_rows` rows with a
+seed of (seed, epoch, worker): the order of every epoch follows from the seed alone. A worker holds
+its micro-batch, `prefetch_batches` more and the shuffle buffer, whatever the corpus size.
+"""
+
+from __future__ import annotations
+
+import logging
+import resource
+import tempfile
+import time
+import warnings
+from contextlib import nullcontext
+from functools import partial
+from itertools import islice
+from pathlib import Path
+
+import numpy as np
+import ray.train
+import ray.train.torch
+import torch
+import torch.distributed as dist
+from pydantic import BaseModel
+from ray.train import Checkpoint
+from transformers import AutoModelForSequenceClassification, AutoTokenizer, set_seed
+from transformers.integrations.deepspeed import HfDeepSpeedConfig
+
+from tasks import storage
+from tasks.config import TrainConfig
+from tasks.predictor import padded
+
+STATE_FILE = "training_state.json"  # beside the exported model: the history, the curve, the validation predictions
+IGNORED = -100  # the label of the rows the driver pads a split with: no loss, no metric, no prediction
+
+
+class Plan(BaseModel, frozen=True):
+    """How a TrainConfig lands on the cluster (tasks/train.py `plan`)."""
+
+    workers: int
+    micro_batch: int
+    accumulation: int
+    use_gpu: bool
+    precision: str  # fp32, fp16, bf16, or auto (bf16 where the GPU has it, else fp16)
+
+    def describe(self, cfg: TrainConfig) -> str:
+        device = "GPU" if self.use_gpu else "CPU"
+        return (f"{self.workers} {device} worker(s) x micro-batch {self.micro_batch} x accumulation {self.accumulation}"
+                f" = global batch {cfg.batch_size}, ZeRO-{cfg.zero_stage}, {self.precision}")
+
+
+class WorkerSpec(BaseModel):
+    """All a worker is told: the typed config, its plan, the DeepSpeed JSON, and where the model goes."""
+
+    train: TrainConfig
+    plan: Plan
+    deepspeed: dict
+    model: str
+    label_names: list[str]
+    max_length: int
+    batches_per_epoch: int  # micro-batches per worker and epoch, the same on every worker
+    max_steps: int  # optimizer steps of the whole run
+    model_uri: str  # where rank 0 writes the consolidated model
+
+
+class Point(BaseModel):
+    step: int
+    epoch: float
+    loss: float
+    accuracy: float
+
+
+class Curve(BaseModel):
+    """Loss and accuracy per optimizer step, for the run report's plots: training averaged over the
+    rows of every `log_every_steps` steps on all workers, validation at each evaluation."""
+
+    train: list[Point] = []
+    validation: list[Point] = []
+
+
+class EpochRecord(BaseModel):
+    epoch: float  # epochs done at this record: whole, unless max_steps ended the run mid-epoch
+    step: int
+    resumed_from_step: int
+    train_loss: float
+    val_loss: float
+    val_accuracy: float
+    samples_per_s: float  # steady state: after the first micro-batch, evaluations and checkpoints excluded
+    peak_memory_mb: float  # the largest over workers
+    startup_s: float | None  # this attempt's model load, engine build and first micro-batch, in its first epoch only
+    checkpoint_s: float | None  # mean seconds per mid-epoch checkpoint
+
+
+class Progress(BaseModel):
+    """Where training stands, saved in every checkpoint and read back on resume: a resumed run has
+    every epoch and every curve point once."""
+
+    epoch: int = 0  # epochs completed
+    batches_done: int = 0  # micro-batches of the next epoch already trained
+    history: list[EpochRecord] = []
+    curve: Curve = Curve()
+
+
+class Result(BaseModel):
+    """What training leaves beside the model (STATE_FILE)."""
+
+    history: list[EpochRecord]
+    curve: Curve
+    validation_predictions: list[int]  # by validation row, as the engine predicted them
+
+
+def collate(batch: dict[str, np.ndarray], pad_id: int) -> dict[str, torch.Tensor]:
+    """A Ray Data batch of tokenized rows -> padded tensors (row numbers kept, for validation)."""
+    rows = list(batch["input_ids"])
+    input_ids, attention_mask = padded(rows, np.fromiter(map(len, rows), np.int64, len(rows)), pad_id)
+    return {"input_ids": torch.from_numpy(input_ids), "attention_mask": torch.from_numpy(attention_mask),
+            "labels": torch.from_numpy(batch["label"]), "row": torch.from_numpy(batch["row"])}
+
+
+def batches(split: str, micro_batch: int, cfg: TrainConfig, pad_id: int, epoch: int | None = None):
+    """This worker's micro-batches of a split for one pass; shuffled in a seeded buffer when an epoch is given."""
+    rank = ray.train.get_context().get_world_rank()
+    shuffle = {} if epoch is None else {"local_shuffle_buffer_size": cfg.shuffle_buffer_rows,
+                                        "local_shuffle_seed": hash((cfg.seed, epoch, rank)) % 2**32}
+    return ray.train.get_dataset_shard(split).iter_torch_batches(
+        batch_size=micro_batch, collate_fn=partial(collate, pad_id=pad_id), prefetch_batches=cfg.prefetch_batches,
+        device="cpu", **shuffle)
+
+
+def forward(engine, batch: dict, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(mean loss over the batch's real rows, logits, labels); padding rows count for nothing."""
+    labels = batch["labels"].to(device)
+    logits = engine(input_ids=batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device)).logits
+    losses = torch.nn.functional.cross_entropy(logits.float(), labels, ignore_index=IGNORED, reduction="sum")
+    return losses / (labels != IGNORED).sum().clamp(min=1), logits, labels
+
+
+class Meter:
+    """Training loss x rows, rows right and rows, summed on the device and read only every
+    `log_every_steps` steps: no sync per batch."""
+
+    def __init__(self, device: torch.device):
+        self.sums = torch.zeros(3, dtype=torch.float64, device=device)
+
+    def add(self, loss: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor) -> None:
+        real = labels != IGNORED
+        rows = real.sum().double()
+        self.sums += torch.stack([loss.detach().double() * rows, (logits.detach().argmax(-1) == labels)[real].sum().double(), rows])
+
+    def point(self, step: int, epoch: float) -> Point:
+        dist.all_reduce(self.sums)
+        loss_x_rows, right, rows = self.sums.tolist()
+        self.sums.zero_()
+        return Point(step=step, epoch=round(epoch, 4), loss=loss_x_rows / max(rows, 1), accuracy=right / max(rows, 1))
+
+
+@torch.no_grad()
+def validate(engine, spec: WorkerSpec, pad_id: int, device: torch.device) -> tuple[float, float, list[int]]:
+    """Exact loss, accuracy and row-ordered predictions over the whole validation split, gathered
+    from all workers; the padding rows are dropped by their row number (-1)."""
+    engine.eval()
+    local: list[tuple[int, float, int, int]] = []
+    for batch in batches("validation", spec.plan.micro_batch, spec.train, pad_id):
+        real, labels = batch["row"] >= 0, batch["labels"]
+        logits = engine(input_ids=batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device)).logits
+        logits = logits.float().cpu()
+        losses = torch.nn.functional.cross_entropy(logits, labels, ignore_index=IGNORED, reduction="none")
+        local += zip(batch["row"][real].tolist(), losses[real].tolist(), logits.argmax(-1)[real].tolist(), labels[real].tolist())
+    engine.train()  # training may go on mid-epoch
+    gathered: list[list] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, local)
+    rows = sorted(row for part in gathered for row in part)
+    return (sum(r[1] for r in rows) / len(rows), sum(r[2] == r[3] for r in rows) / len(rows), [r[2] for r in rows])
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """The largest peak over workers: accelerator memory on GPU, resident set size on CPU."""
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device) / 2**20
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # Linux reports KiB
+    worst = torch.tensor([peak], dtype=torch.float64, device=device if device.type == "cuda" else "cpu")
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    return worst.item()
+
+
+def save(engine, progress: Progress, metrics: dict) -> None:
+    """Report a checkpoint from every rank: each writes its own ZeRO shards of the DeepSpeed engine
+    state and Ray gathers them into one checkpoint; the progress travels inside it."""
+    with tempfile.TemporaryDirectory() as folder:
+        engine.save_checkpoint(folder, tag="state", client_state={"progress": progress.model_dump()})
+        ray.train.report(metrics, checkpoint=Checkpoint.from_directory(folder))
+
+
+def resume(engine) -> Progress:
+    """Load the latest checkpoint Ray Train holds for this run (after a worker failure, a task
+    retry or a re-run with the same run id) and return its progress, or the start of training."""
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is None:
+        return Progress()
+    with checkpoint.as_directory() as folder:
+        _, client_state = engine.load_checkpoint(folder, tag="state")
+    progress = Progress.model_validate(client_state["progress"])
+    if dist.get_rank() == 0:
+        print(f"resumed at step {engine.global_steps}: epoch {progress.epoch + 1}, micro-batch {progress.batches_done}", flush=True)
+    return progress
+
+
+def export(engine, tokenizer, spec: WorkerSpec, result: Result) -> None:
+    """Rank 0 writes the consolidated HF model folder straight into the run's storage (the driver
+    never downloads checkpoint shards); under ZeRO-3 every rank must join the gather."""
+    weights = engine._zero3_consolidated_16bit_state_dict() if spec.train.zero_stage == 3 else engine.module.state_dict()
+    if dist.get_rank() == 0:
+        with tempfile.TemporaryDirectory() as folder:
+            engine.module.save_pretrained(folder, state_dict=weights)
+            tokenizer.save_pretrained(folder)
+            Path(folder, STATE_FILE).write_text(result.model_dump_json())
+            storage.upload_dir(folder, spec.model_uri)
+    dist.barrier()
+
+
+def build_model(spec: WorkerSpec):
+    # While this object lives, from_pretrained builds a ZeRO-3 model already partitioned (zero.Init):
+    # no worker ever holds the whole model, which is what lets ZeRO-3 fit models that do not fit.
+    zero_init = HfDeepSpeedConfig(spec.deepspeed) if spec.train.zero_stage == 3 else None  # noqa: F841 (kept alive)
+    names = spec.label_names
+    model = AutoModelForSequenceClassification.from_pretrained(
+        spec.model, num_labels=len(names), id2label=dict(enumerate(names)), label2id={name: i for i, name in enumerate(names)})
+    if spec.train.activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def param_groups(model) -> list[dict]:
+    """Weight decay for weight matrices only, as BERT-style recipes do."""
+    named = list(model.named_parameters())
+    return [{"params": [p for _, p in named if p.ndim > 1]}, {"params": [p for _, p in named if p.ndim <= 1], "weight_decay": 0.0}]
+
+
+def setup(spec: WorkerSpec) -> tuple:
+    """This worker's part: the process group, the tokenizer and the DeepSpeed engine."""
+    import deepspeed  # imported in the worker: it probes the accelerator at import
+
+    warnings.filterwarnings("ignore", category=FutureWarning)  # torch.distributed renames used by DeepSpeed
+    deepspeed.utils.logger.setLevel(logging.WARNING)
+    set_seed(spec.train.seed)
+    torch.set_num_threads(max(1, int(spec.train.cpus_per_worker)))
+    device = ray.train.torch.get_device()
+    if spec.plan.precision == "auto":  # on GPU: bf16 where the hardware has it
+        precision = "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+        spec = spec.model_copy(update={"deepspeed": spec.deepspeed | {"bf16": {"enabled": precision == "bf16"},
+                                                                      "fp16": {"enabled": precision == "fp16"}}})
+    if spec.deepspeed["bf16"]["enabled"] and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise ValueError(f"precision=bf16 but {torch.cuda.get_device_name()} has no bf16: use fp16 or auto")
+    deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
+    tokenizer = AutoTokenizer.from_pretrained(spec.model)
+    tokenizer.model_max_length = spec.max_length  # the exported tokenizer truncates as training did
+    model = build_model(spec)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model), config=spec.deepspeed)
+    return engine, device, tokenizer
+
+
+def train_worker(config: dict) -> None:
+    """Epochs of micro-batches until the last epoch or max_steps, evaluating and checkpointing on the
+    steps the config names and at every epoch's end; then rank 0 exports the model.
+
+    Resume: the engine state and the progress come from the last checkpoint; a checkpoint taken
+    mid-epoch continues that epoch, reading its first `batches_done` micro-batches again (the same
+    ones: the order follows from the seed) and skipping them without computing on them. Nothing is
+    trained twice; the dropout masks after the resume differ from an uninterrupted run's.
+    """
+    started = time.perf_counter()
+    spec = WorkerSpec.model_validate(config["spec"])
+    cfg = spec.train
+    engine, device, tokenizer = setup(spec)
+    progress, pad_id, meter = resume(engine), tokenizer.pad_token_id or 0, Meter(device)
+    first_epoch, resumed_from, predictions = progress.epoch, engine.global_steps, None
+
+    def evaluate(position: float) -> None:
+        nonlocal predictions
+        loss, accuracy, predictions = validate(engine, spec, pad_id, device)
+        progress.curve.validation.append(Point(step=engine.global_steps, epoch=round(position, 4), loss=loss, accuracy=accuracy))
+
+    for epoch in range(progress.epoch, cfg.epochs):
+        if engine.global_steps >= spec.max_steps:
+            break
+        engine.train()
+        done, trained, samples, paused, checkpoint_seconds = progress.batches_done, 0, 0, 0.0, []
+        loss_sum = torch.zeros((), device=device)  # on the device: no sync per batch
+        first_done = time.perf_counter()
+        for batch in islice(batches("train", spec.plan.micro_batch, cfg, pad_id, epoch), done, None):
+            # save_on_cpu keeps the tensors autograd saves for backward in host memory until needed.
+            with torch.autograd.graph.save_on_cpu(pin_memory=True) if cfg.activation_offload else nullcontext():
+                loss, logits, labels = forward(engine, batch, device)
+                engine.backward(loss)
+            steps_before = engine.global_steps
+            engine.step()  # an optimizer step only at the end of an accumulation cycle
+            meter.add(loss, logits, labels)
+            loss_sum += loss.detach().float()
+            done, trained = done + 1, trained + 1
+            if trained == 1:
+                first_done = time.perf_counter()
+            else:
+                samples += int((batch["labels"] != IGNORED).sum())
+            if engine.global_steps == steps_before:
+                continue
+            step, position, pause_from = engine.global_steps, epoch + done / spec.batches_per_epoch, time.perf_counter()
+            if step % cfg.log_every_steps == 0:
+                progress.curve.train.append(meter.point(step, position))
+                if dist.get_rank() == 0:
+                    print(f"step {step} (epoch {position:.2f}): loss {progress.curve.train[-1].loss:.4f}", flush=True)
+            last = done == spec.batches_per_epoch or step >= spec.max_steps
+            if cfg.eval_every_steps and step % cfg.eval_every_steps == 0 and not last:
+                evaluate(position)  # the epoch's end is evaluated below
+            if cfg.checkpoint_every_steps and step % cfg.checkpoint_every_steps == 0 and not last:
+                save(engine, progress.model_copy(update={"epoch": epoch, "batches_done": done}, deep=True),
+                     {"epoch": position, "step": step})
+                checkpoint_seconds.append(time.perf_counter() - pause_from)
+            paused += time.perf_counter() - pause_from
+            if step >= spec.max_steps:
+                break
+        elapsed = time.perf_counter() - first_done - paused
+        totals = torch.tensor([loss_sum.item(), trained, samples], dtype=torch.float64)
+        dist.all_reduce(totals)
+        whole = done == spec.batches_per_epoch  # else max_steps ended the run mid-epoch
+        evaluate(epoch + done / spec.batches_per_epoch)
+        progress.history.append(EpochRecord(
+            epoch=round(epoch + done / spec.batches_per_epoch, 4), step=engine.global_steps, resumed_from_step=resumed_from,
+            train_loss=totals[0].item() / max(totals[1].item(), 1), val_loss=progress.curve.validation[-1].loss,
+            val_accuracy=progress.curve.validation[-1].accuracy,
+            samples_per_s=totals[2].item() / elapsed if elapsed > 0 else 0.0, peak_memory_mb=peak_memory_mb(device),
+            startup_s=first_done - started if epoch == first_epoch else None,
+            checkpoint_s=sum(checkpoint_seconds) / len(checkpoint_seconds) if checkpoint_seconds else None))
+        progress = progress.model_copy(update={"epoch": epoch + 1 if whole else epoch, "batches_done": 0 if whole else done})
+        save(engine, progress, progress.history[-1].model_dump())
+    if predictions is None:  # a re-run of a finished run trains nothing; its export still needs them
+        predictions = validate(engine, spec, pad_id, device)[2]
+    export(engine, tokenizer, spec, Result(history=progress.history, curve=progress.curve, validation_predictions=predictions))
