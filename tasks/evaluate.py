@@ -3,26 +3,26 @@
 from __future__ import annotations
 
 import numpy as np
+import ray
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
-from sklearn.metrics import confusion_matrix
 
-from tasks import storage
-from tasks.data import Split, labelled_frames, shown
-from tasks.predictor import Predictor
+from tasks import cluster, storage
+from tasks.data import Split, shown
+from tasks.predictor import confusion
 
 
-def metrics_of(confusion: np.ndarray, label_names: list[str]) -> dict:
+def metrics_of(counts: np.ndarray, label_names: list[str]) -> dict:
     """Accuracy and macro F1 from the confusion matrix (true x predicted), which is all a streamed
     evaluation keeps; F1 of a class is 2 TP / (predicted + actual), 0 where both are 0."""
-    true_positives, predicted, actual = np.diag(confusion), confusion.sum(0), confusion.sum(1)
+    true_positives, predicted, actual = np.diag(counts), counts.sum(0), counts.sum(1)
     f1 = np.divide(2 * true_positives, predicted + actual, out=np.zeros(len(label_names)), where=predicted + actual > 0)
     return {
-        "accuracy": float(true_positives.sum() / confusion.sum()),
+        "accuracy": float(true_positives.sum() / counts.sum()),
         "macro_f1": float(f1.mean()),
-        "confusion_matrix": confusion.tolist(),
+        "confusion_matrix": counts.tolist(),
         "label_names": label_names,
-        "rows": int(confusion.sum()),
+        "rows": int(counts.sum()),
     }
 
 
@@ -34,15 +34,13 @@ def confusion_markdown(metrics: dict) -> str:
 
 
 def score(model_uri: str, test: Split) -> dict:
-    """Accuracy, macro F1 and the confusion matrix of a model on a split, streamed a chunk at a time."""
-    predictor = Predictor(model_uri)
-    ids = list(range(len(predictor.label_names)))
-    confusion = np.zeros((len(ids), len(ids)), dtype=np.int64)
-    for uri in test.uris:
-        for frame in labelled_frames(uri, test.schema):  # a chunk at a time, never the whole split
-            predicted, _ = predictor.predict(frame["text"].tolist())
-            confusion += confusion_matrix(frame["label"], predicted, labels=ids)
-    return metrics_of(confusion, predictor.label_names)
+    """Accuracy, macro F1 and the confusion matrix of a model on a split, computed on the cluster by
+    the inference code (tasks/predictor.py) with the CPUs (or a GPU) it has to spare."""
+    cluster.connect()
+    resources = cluster.Resources.of_cluster()
+    remote = ray.remote(confusion).options(num_cpus=max(1, int(resources.cpus)), num_gpus=min(1, resources.gpus))
+    counts, label_names = ray.get(remote.remote(model_uri, test, max(1, int(resources.cpus))))
+    return metrics_of(counts, label_names)
 
 
 @task

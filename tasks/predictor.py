@@ -16,6 +16,7 @@ from tokenizers import Tokenizer
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedTokenizerBase
 
 from tasks import storage
+from tasks.data import Split, labelled_frames
 
 
 def local_model(model_uri: str) -> str:
@@ -90,3 +91,16 @@ class Predictor:
         if self.progress:
             self.progress.labelled.remote(len(batch))
         return batch.assign(label=np.asarray(self.label_names)[ids], score=scores)
+
+
+def confusion(model_uri: str, split: Split, threads: int) -> tuple[np.ndarray, list[str]]:
+    """The confusion matrix (true x predicted) of a model on a labelled split, streamed a chunk at a
+    time, and the model's label names: run as a Ray task, so no model is loaded by the driver."""
+    predictor = Predictor(model_uri, threads=threads)
+    ids = list(range(len(predictor.label_names)))
+    counts = np.zeros((len(ids), len(ids)), dtype=np.int64)
+    for uri in split.uris:
+        for frame in labelled_frames(uri, split.schema):  # a chunk at a time, never the whole split
+            predicted, _ = predictor.predict(frame["text"].tolist())
+            np.add.at(counts, (frame["label"].to_numpy(), predicted), 1)
+    return counts, predictor.label_names
