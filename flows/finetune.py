@@ -9,6 +9,7 @@ from pathlib import Path
 from prefect import flow
 from prefect.runtime import flow_run
 
+from tasks import cluster
 from tasks.config import FinetuneParams
 from tasks.data import load_splits
 from tasks.evaluate import evaluate
@@ -34,6 +35,8 @@ def finetune(params: FinetuneParams = FinetuneParams()) -> dict:
     store.check()  # and outputs that would overwrite what ftflow did not write, or anything it reads
     refuse_overlap([store.base, key.target, champion_pointer(params.storage_root, params.promotion.model_name)],
                    [*params.inputs(), *(uri for split in splits.values() for uri in split.uris)])
+    cluster.connect(params.ray_address)
+    cluster.refuse_local_storage(params.storage_root, params.storage_shared)  # on several nodes: each its own disk
 
     took = Stopwatch()
     with took("tokenize"):
@@ -54,7 +57,7 @@ def finetune(params: FinetuneParams = FinetuneParams()) -> dict:
     config = params.model_dump(mode="json")
     outputs = {"tokenized": tokenized, "checkpoints": store.train_dir, "model": store.model_dir, "metrics": store.metrics,
                "predictions": predictions, "report": store.report, "manifest": store.manifest}
-    results = {"test": metrics, "training": training.model_dump(include={"history", "curve"}), "promotion": promotion}
+    results = {"test": metrics, "training": training.model_dump(include={"history", "curve", "nodes"}), "promotion": promotion}
     publish_report(store, config, splits, outputs, results, took.seconds)
     write_manifest(
         store.manifest,

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import ray
 
+from tasks import storage
+
 # Ray Data's read and write tasks are I/O bound: a quarter CPU each leaves whole CPUs to model
 # workers, so an actor pool as large as the cluster cannot starve the reads that feed it (a
 # deadlock otherwise) nor the writes that drain it.
@@ -43,6 +45,20 @@ def connect(address: str | None = None) -> None:
             raise
         raise ConnectionError(f"the Ray cluster at {address} refused this driver's token (or its lack of one): set "
                               "RAY_AUTH_MODE=token and RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH to the cluster's token") from None
+
+
+def refuse_local_storage(root: str, shared: bool) -> None:
+    """A local folder as the storage root of a cluster whose nodes do not all share this machine's
+    disk: each node would write its own checkpoints and shards. Unless the folder is declared shared
+    (NFS at the same path), say to use object storage; before any work."""
+    if shared or storage.is_remote(root):
+        return
+    here = ray.util.get_node_ip_address()
+    nodes = [node for node in ray.nodes() if node["Alive"]]
+    if len(nodes) > 1 or any(node["NodeManagerAddress"] != here for node in nodes):
+        raise ValueError(f"storage_root {root} is a local folder, but the Ray cluster has {len(nodes)} node(s) that do not "
+                         "all share this machine's disk: use object storage (s3://...), or set storage_shared=true if every "
+                         "node mounts the folder at the same path")
 
 
 def describe() -> dict:

@@ -146,6 +146,8 @@ class FinetuneParams(BaseModel):
         default_factory=default_storage_root,
         description="Local folder or s3://bucket/prefix holding runs/, tokenized/ and models.",
     )
+    storage_shared: bool = Field(False, description="A local storage_root is a folder every Ray node mounts at the same path (NFS): "
+                                                   "allowed on a cluster of several nodes.")
     run_id: SafeName | None = Field(None, description="Default: a new id from the time and the flow run. "
                                                       "Letters, digits, '.', '_', '-'; the same id resumes that run.")
     ray_address: str | None = Field(None, description="Existing Ray cluster (ray://host:10001 or 'auto'); default: RAY_ADDRESS or a local Ray.")

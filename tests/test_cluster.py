@@ -18,8 +18,9 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from conftest import free_port, write_jsonl
+from conftest import BUCKET, free_port, write_jsonl
 from tasks import storage
+from tasks.config import TrainConfig
 from test_flow import check_run, params
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -123,3 +124,34 @@ def test_flows_run_against_a_prefect_server_that_requires_an_auth_string(tiny_mo
         server.wait(timeout=60)
     assert storage.read_json(str(labels / storage.MARKER))["rows"] == 50
     assert auth.split(":")[1] not in run.stdout + run.stderr + stored_text(labels)
+
+
+def test_finetune_on_several_nodes_with_storage_in_s3(tiny_model, small_data, s3_endpoint, tmp_path):
+    """A head and two worker nodes (separate raylets) on this machine: the training workers land on
+    different nodes, every artifact in S3 is complete; a local storage root is refused up front."""
+    from ray.cluster_utils import Cluster
+
+    nodes = Cluster(initialize_head=True, connect=False, head_node_args={"num_cpus": 1})  # the head: Ray Data's CPU
+    workers = [nodes.add_node(num_cpus=2) for _ in range(2)]  # each fits one worker of 1.5 CPUs, not two
+    env = {**os.environ, "RAY_ADDRESS": nodes.address}
+
+    def finetune(root: str) -> subprocess.CompletedProcess:
+        config = tmp_path / "params.json"
+        config.write_text(params(tiny_model, small_data, root).model_copy(
+            update={"train": TrainConfig(epochs=3, batch_size=32, learning_rate=3e-3, cpus_per_worker=1.5)}).model_dump_json())
+        return subprocess.run([sys.executable, "-m", "flows.finetune", str(config)], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=900)
+    try:
+        refused = finetune(str(tmp_path / "local-store"))
+        assert refused.returncode != 0 and not (tmp_path / "local-store").exists()
+        assert "storage_root " + str(tmp_path / "local-store") + " is a local folder, but the Ray cluster has 3 node(s)" in refused.stderr
+
+        run = finetune(f"s3://{BUCKET}/several-nodes")
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    finally:
+        nodes.shutdown()
+    run_dir = re.search(r"artifacts: +(\S+)", run.stdout)[1]
+    manifest = check_run(run_dir, {"test_accuracy": storage.read_json(storage.join(run_dir, "metrics.json"))["accuracy"]},
+                         small_data)
+    assert sorted(manifest["metrics"]["training"]["nodes"]) == sorted(node.node_id for node in workers)
+    assert manifest["cluster"]["nodes"] == 3
