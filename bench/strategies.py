@@ -33,6 +33,8 @@ from functools import partial
 from multiprocessing import get_context
 from pathlib import Path
 
+import numpy as np
+import pyarrow.parquet as pq
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,7 +44,8 @@ from tasks import cluster  # noqa: E402
 from tasks.config import DataConfig, ModelConfig, TrainConfig  # noqa: E402
 from tasks.data import load_splits  # noqa: E402
 from tasks.tokenize import load_tokenizer, tokenize, tokenize_key  # noqa: E402
-from tasks.train import collate, param_groups, read_tokenized, train  # noqa: E402
+from tasks.train import train  # noqa: E402
+from tasks.train_worker import collate, param_groups  # noqa: E402
 
 LABELS = ["negative", "positive"]
 DEEPSPEED = {
@@ -52,6 +55,20 @@ DEEPSPEED = {
     "zero3": {"zero_stage": 3},
     "zero3 + offload": {"zero_stage": 3, "offload_params": True, "offload_optimizer": True},
 }
+
+
+def read_tokenized(uri: str) -> list[dict]:
+    """The baselines' in-memory loader: every row of the split in a Python list."""
+    return pq.read_table(uri).sort_by("row").select(["row", "input_ids", "label"]).to_pylist()
+
+
+def collate_rows(pad_id: int) -> Callable[[list[dict]], dict]:
+    def pad(rows: list[dict]) -> dict:
+        batch = collate({"input_ids": [r["input_ids"] for r in rows], "label": np.array([r["label"] for r in rows]),
+                         "row": np.array([r["row"] for r in rows])}, pad_id)
+        return {key: batch[key] for key in ("input_ids", "attention_mask", "labels")}
+
+    return pad
 
 
 def peak_rss_mb() -> float:
@@ -73,7 +90,7 @@ def hand_written_loop(model_path: str, rows: list[dict], micro_batch: int, steps
     torch.manual_seed(42)
     pad = AutoTokenizer.from_pretrained(model_path).pad_token_id
     sampler = DistributedSampler(rows, num_replicas=world[0], rank=world[1], seed=42)
-    loader = DataLoader(rows, batch_size=micro_batch, sampler=sampler, collate_fn=collate(pad))
+    loader = DataLoader(rows, batch_size=micro_batch, sampler=sampler, collate_fn=collate_rows(pad))
     model = AutoModelForSequenceClassification.from_pretrained(model_path, num_labels=len(LABELS))
     if world[0] > 1:
         model = torch.nn.parallel.DistributedDataParallel(model)
@@ -163,9 +180,9 @@ def ftflow(model_path: str, uris: dict, max_length: int, batch: int, workers: in
            steps_to_checkpoint: int, options: dict, run_dir: str) -> dict:
     cfg = TrainConfig(batch_size=batch, num_workers=workers, cpus_per_worker=cpus_per_worker,
                       checkpoint_every_steps=steps_to_checkpoint, **options)
-    row = train(uris, model_path, max_length, LABELS, cfg, run_dir)["epochs"][-1]
-    return {"samples_per_s": row["samples_per_s"], "first_step_s": row["startup_s"],
-            "checkpoint_s": row["checkpoint_s"], "peak_memory_mb": row["peak_memory_mb"]}
+    row = train(uris, ModelConfig(name_or_path=model_path, max_length=max_length), LABELS, cfg, run_dir).history[-1]
+    return {"samples_per_s": row.samples_per_s, "first_step_s": row.startup_s, "checkpoint_s": row.checkpoint_s,
+            "peak_memory_mb": row.peak_memory_mb}
 
 
 def sample(split: str, rows: int, folder: Path) -> str:

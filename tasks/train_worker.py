@@ -27,6 +27,7 @@ from itertools import islice
 from pathlib import Path
 
 import numpy as np
+import ray
 import ray.train
 import ray.train.torch
 import torch
@@ -117,6 +118,7 @@ class Result(BaseModel):
     history: list[EpochRecord]
     curve: Curve
     validation_predictions: list[int]  # by validation row, as the engine predicted them
+    nodes: list[str]  # the Ray node of each worker, by rank, in the last attempt
 
 
 def collate(batch: dict[str, np.ndarray], pad_id: int) -> dict[str, torch.Tensor]:
@@ -124,7 +126,7 @@ def collate(batch: dict[str, np.ndarray], pad_id: int) -> dict[str, torch.Tensor
     rows = list(batch["input_ids"])
     input_ids, attention_mask = padded(rows, np.fromiter(map(len, rows), np.int64, len(rows)), pad_id)
     return {"input_ids": torch.from_numpy(input_ids), "attention_mask": torch.from_numpy(attention_mask),
-            "labels": torch.from_numpy(batch["label"]), "row": torch.from_numpy(batch["row"])}
+            "labels": torch.tensor(batch["label"]), "row": torch.tensor(batch["row"])}  # copies: Ray's arrays are read-only
 
 
 def batches(split: str, micro_batch: int, cfg: TrainConfig, pad_id: int, epoch: int | None = None):
@@ -285,6 +287,8 @@ def train_worker(config: dict) -> None:
     engine, device, tokenizer = setup(spec)
     progress, pad_id, meter = resume(engine), tokenizer.pad_token_id or 0, Meter(device)
     first_epoch, resumed_from, predictions = progress.epoch, engine.global_steps, None
+    nodes: list[str] = [None] * dist.get_world_size()
+    dist.all_gather_object(nodes, ray.get_runtime_context().get_node_id())
 
     def evaluate(position: float) -> None:
         nonlocal predictions
@@ -345,4 +349,4 @@ def train_worker(config: dict) -> None:
         save(engine, progress, progress.history[-1].model_dump())
     if predictions is None:  # a re-run of a finished run trains nothing; its export still needs them
         predictions = validate(engine, spec, pad_id, device)[2]
-    export(engine, tokenizer, spec, Result(history=progress.history, curve=progress.curve, validation_predictions=predictions))
+    export(engine, tokenizer, spec, Result(history=progress.history, curve=progress.curve, validation_predictions=predictions, nodes=nodes))

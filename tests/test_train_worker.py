@@ -1,0 +1,52 @@
+"""The training workers' data: every row once per epoch, equal shards, a seeded order that changes per epoch."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import ray.train
+from ray.train import RunConfig, ScalingConfig
+from ray.train.torch import TorchConfig, TorchTrainer
+
+from tasks.config import TrainConfig
+from tasks.shards import SHARD_SCHEMA
+from tasks.train import data_config, split
+from tasks.train_worker import IGNORED, batches
+
+
+def test_every_worker_gets_equal_micro_batches_and_every_row_once_per_epoch(ray_cluster, tmp_path):
+    rows = 1000  # 3 workers: two ignored rows pad it to 1002
+    folder = tmp_path / "tokenized" / "train"
+    folder.mkdir(parents=True)
+    for part in range(3):  # three shards, sorted by label as the shipped reviews are
+        numbers = list(range(part * rows // 3, (part + 1) * rows // 3))
+        pq.write_table(pa.table({"row": numbers, "label": [int(n >= rows // 2) for n in numbers],
+                                 "input_ids": [[5] * (1 + n % 7) for n in numbers]}, schema=SHARD_SCHEMA),
+                       folder / f"job_{part:05d}.parquet")
+    seen = tmp_path / "seen"
+    seen.mkdir()
+
+    def record(config: dict) -> None:
+        cfg, rank = TrainConfig(shuffle_buffer_rows=64), ray.train.get_context().get_world_rank()
+        epochs = [[{key: batch[key].tolist() for key in ("row", "labels")} for batch in batches("train", 16, cfg, 0, epoch)]
+                  for epoch in range(2)]
+        (seen / f"{rank}.json").write_text(json.dumps(epochs))
+
+    stream, count = split(str(folder), 3)
+    TorchTrainer(record, datasets={"train": stream.random_shuffle(seed=7)}, dataset_config=data_config(),
+                 scaling_config=ScalingConfig(num_workers=3, resources_per_worker={"CPU": 0.5}),
+                 torch_config=TorchConfig(backend="gloo"), run_config=RunConfig(storage_path=str(tmp_path / "ray"))).fit()
+
+    workers = [json.loads((seen / f"{rank}.json").read_text()) for rank in range(3)]
+    assert count == rows
+    for epoch in range(2):
+        shards = [[row for batch in worker[epoch] for row in batch["row"]] for worker in workers]
+        assert [len(worker[epoch]) for worker in workers] == [21, 21, 21]  # 1002 / 3 = 334 rows each, in micro-batches of 16
+        assert sorted(row for shard in shards for row in shard) == [-1, -1, *range(rows)]
+        padding = [label for worker in workers for batch in worker[epoch] for row, label in zip(batch["row"], batch["labels"]) if row < 0]
+        assert padding == [IGNORED, IGNORED]
+        first_batch = workers[0][epoch][0]["labels"]
+        assert 0 < sum(first_batch) < len(first_batch), "a micro-batch of one class: the split was not shuffled"
+    assert workers[0][0][0]["row"] != workers[0][1][0]["row"], "both epochs in the same order"
