@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 from dataclasses import dataclass
 
@@ -72,12 +73,19 @@ def describe() -> dict:
 class Resources:
     cpus: float
     gpus: int
+    node_cpus: float = math.inf  # the most CPUs one node has: what a single task can ask for
 
     @classmethod
     def of_cluster(cls) -> Resources:
         """What ftflow's stages may take: the cluster's CPUs less DATA_CPUS, and its GPUs."""
-        total = ray.cluster_resources()
-        return cls(cpus=max(0.0, total.get("CPU", 0.0) - DATA_CPUS), gpus=int(total.get("GPU", 0)))
+        total, nodes = ray.cluster_resources(), [node for node in ray.nodes() if node["Alive"]]
+        return cls(cpus=max(0.0, total.get("CPU", 0.0) - DATA_CPUS), gpus=int(total.get("GPU", 0)),
+                   node_cpus=max((node["Resources"].get("CPU", 0.0) for node in nodes), default=0.0))
+
+    def task_cpus(self) -> int:
+        """CPUs for one task that uses as many as it may (evaluation): ftflow's share of the cluster,
+        within one node. Asking for more than a node has waits forever."""
+        return max(1, int(min(self.cpus, self.node_cpus)))
 
     def training_workers(self, requested: int | None, cpus_per_worker: float) -> int:
         fits = self.gpus if self.gpus else int(self.cpus // cpus_per_worker)

@@ -38,8 +38,8 @@ def score(model_uri: str, test: Split) -> dict:
     the inference code (tasks/predictor.py) with the CPUs (or a GPU) it has to spare."""
     cluster.connect()
     resources = cluster.Resources.of_cluster()
-    remote = ray.remote(confusion).options(num_cpus=max(1, int(resources.cpus)), num_gpus=min(1, resources.gpus))
-    counts, label_names = ray.get(remote.remote(model_uri, test, max(1, int(resources.cpus))))
+    remote = ray.remote(confusion).options(num_cpus=resources.task_cpus(), num_gpus=min(1, resources.gpus))
+    counts, label_names = ray.get(remote.remote(model_uri, test, resources.task_cpus()))
     return metrics_of(counts, label_names)
 
 

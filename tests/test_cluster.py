@@ -138,7 +138,7 @@ def test_finetune_on_several_nodes_with_storage_in_s3(tiny_model, small_data, s3
     def finetune(root: str) -> subprocess.CompletedProcess:
         config = tmp_path / "params.json"
         config.write_text(params(tiny_model, small_data, root).model_copy(
-            update={"train": TrainConfig(epochs=3, batch_size=32, learning_rate=3e-3, cpus_per_worker=1.5)}).model_dump_json())
+            update={"train": TrainConfig(epochs=4, batch_size=32, learning_rate=3e-3, cpus_per_worker=1.5)}).model_dump_json())
         return subprocess.run([sys.executable, "-m", "flows.finetune", str(config)], cwd=ROOT, env=env,
                               capture_output=True, text=True, timeout=900)
     try:
