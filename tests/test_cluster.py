@@ -20,7 +20,6 @@ from pathlib import Path
 
 from conftest import BUCKET, free_port, write_jsonl
 from tasks import storage
-from tasks.config import TrainConfig
 from test_flow import check_run, params
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -137,8 +136,9 @@ def test_finetune_on_several_nodes_with_storage_in_s3(tiny_model, small_data, s3
 
     def finetune(root: str) -> subprocess.CompletedProcess:
         config = tmp_path / "params.json"
-        config.write_text(params(tiny_model, small_data, root).model_copy(
-            update={"train": TrainConfig(epochs=4, batch_size=32, learning_rate=3e-3, cpus_per_worker=1.5)}).model_dump_json())
+        run_params = params(tiny_model, small_data, root)
+        run_params.train.cpus_per_worker = 1.5
+        config.write_text(run_params.model_dump_json())
         return subprocess.run([sys.executable, "-m", "flows.finetune", str(config)], cwd=ROOT, env=env,
                               capture_output=True, text=True, timeout=900)
     try:
