@@ -28,7 +28,8 @@ def make_tiny_bert(texts: list[str], directory: Path, vocab_size: int = 2000) ->
         vocab_size=wordpiece.get_vocab_size(), hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
         intermediate_size=128, max_position_embeddings=512, num_labels=2,
     )
-    torch.manual_seed(0)  # the same tiny model in every test session: a run's outcome depends on the code only
-    BertForSequenceClassification(config).save_pretrained(directory)
+    with torch.random.fork_rng():  # the same tiny model in every test session, the session's own RNG untouched
+        torch.manual_seed(0)
+        BertForSequenceClassification(config).save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
