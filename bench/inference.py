@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from tasks import cluster  # noqa: E402
-from tasks.config import ModelConfig  # noqa: E402
+from tasks.config import InferenceConfig, ModelConfig  # noqa: E402
 from tasks.data import iter_frames  # noqa: E402
 from tasks.infer import predict_files  # noqa: E402
 from tiny_model import make_tiny_bert  # noqa: E402
@@ -138,7 +138,7 @@ def main() -> None:
             plain_rows, plain_s = timed(lambda: plain_loop(model, files))
             out = str(Path(tmp) / f"out-{rows}")
             with peak_ray_worker_rss() as peak:
-                ftflow_rows, ftflow_s = timed(lambda: predict_files(model, str(corpus), out, batch_size=BATCH)["rows"])
+                ftflow_rows, ftflow_s = timed(lambda: predict_files(model, InferenceConfig(input_uri=str(corpus), batch_size=BATCH), out)["rows"])
             assert plain_rows == ftflow_rows == rows == len(pd.read_parquet(out)), (plain_rows, ftflow_rows, rows)
             print(f"RESULT {args.model} {rows}: plain {rows / plain_s:.0f} rows/s, ftflow {rows / ftflow_s:.0f} rows/s", flush=True)
             lines.append(f"| {args.model} | {rows:,} | {rows / plain_s:,.0f} | {rows / ftflow_s:,.0f} | {plain_s / ftflow_s:.2f} "

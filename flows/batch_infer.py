@@ -8,7 +8,7 @@ from prefect import flow
 from prefect.runtime import flow_run
 from pydantic import Field
 
-from tasks.config import WINDOW_ROWS, default_storage_root
+from tasks.config import DEVICE, WINDOW_ROWS, Device, InferenceConfig, default_storage_root
 from tasks.infer import predict_files
 from tasks.registry import resolve
 from tasks.report import publish_inference_report
@@ -26,11 +26,16 @@ def batch_infer(
     window_rows: Annotated[
         int, Field(ge=1, description="Rows sorted by length and labelled together: with batch_size, bounds memory per actor.")
     ] = WINDOW_ROWS,
+    actors: Annotated[int | None, Field(ge=1, description=InferenceConfig.model_fields["actors"].description)] = None,
+    device: Annotated[Device, Field(description=DEVICE)] = "auto",
+    wait_for_actors_s: Annotated[float, Field(gt=0, description=InferenceConfig.model_fields["wait_for_actors_s"].description)] = 600,
     ray_address: str | None = None,
     storage_root: Annotated[str | None, Field(description="Where models/ is; default: FTFLOW_STORAGE_ROOT or ./artifacts.")] = None,
 ) -> dict:
     """Label every row of the input files (files, directories or globs; local or s3://) with model_uri."""
     resolved = resolve(model_uri, storage_root or default_storage_root())
-    result = predict_files(resolved, input_uri, output_uri, text_column, id_column, batch_size, ray_address, window_rows)
+    cfg = InferenceConfig(input_uri=input_uri, text_column=text_column, id_column=id_column, batch_size=batch_size,
+                          window_rows=window_rows, actors=actors, device=device, wait_for_actors_s=wait_for_actors_s)
+    result = predict_files(resolved, cfg, output_uri, ray_address)
     publish_inference_report(model_uri, resolved, flow_run.parameters, result)
     return result

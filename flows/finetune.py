@@ -49,10 +49,9 @@ def finetune(params: FinetuneParams = FinetuneParams()) -> dict:
     with took("promote"):
         promotion = promote(store.model_dir, metrics, splits["test"], params.promotion, params.storage_root, store.run_id)
     with took("batch inference"):
-        predictions = predict_files(store.model_dir, params.inference.input_uri or list(splits["test"].uris),
-                                    store.predictions, params.inference.text_column or params.data.text_column,
-                                    params.inference.id_column, params.inference.batch_size, params.ray_address,
-                                    params.inference.window_rows)
+        inference = params.inference.model_copy(update={"input_uri": params.inference.input_uri or list(splits["test"].uris),
+                                                         "text_column": params.inference.text_column or params.data.text_column})
+        predictions = predict_files(store.model_dir, inference, store.predictions, params.ray_address)
 
     config = params.model_dump(mode="json")
     outputs = {"tokenized": tokenized, "checkpoints": store.train_dir, "model": store.model_dir, "metrics": store.metrics,

@@ -8,8 +8,10 @@ import os
 from dataclasses import dataclass
 
 import ray
+from ray._private import ray_constants
 
 from tasks import storage
+from tasks.config import Device
 
 # Ray Data's read and write tasks are I/O bound: a quarter CPU each leaves whole CPUs to model
 # workers, so an actor pool as large as the cluster cannot starve the reads that feed it (a
@@ -50,16 +52,28 @@ def connect(address: str | None = None) -> None:
 
 def refuse_local_storage(root: str, shared: bool) -> None:
     """A local folder as the storage root of a cluster whose nodes do not all share this machine's
-    disk: each node would write its own checkpoints and shards. Unless the folder is declared shared
-    (NFS at the same path), say to use object storage; before any work."""
+    disk, or that an autoscaler may add nodes to: each node would write its own checkpoints and
+    shards. Unless the folder is declared shared (NFS at the same path), say to use object storage;
+    before any work."""
     if shared or storage.is_remote(root):
         return
     here = ray.util.get_node_ip_address()
     nodes = [node for node in ray.nodes() if node["Alive"]]
-    if len(nodes) > 1 or any(node["NodeManagerAddress"] != here for node in nodes):
-        raise ValueError(f"storage_root {root} is a local folder, but the Ray cluster has {len(nodes)} node(s) that do not "
-                         "all share this machine's disk: use object storage (s3://...), or set storage_shared=true if every "
-                         "node mounts the folder at the same path")
+    grows = autoscaled()
+    if grows or len(nodes) > 1 or any(node["NodeManagerAddress"] != here for node in nodes):
+        raise ValueError(f"storage_root {root} is a local folder, but the Ray cluster has {len(nodes)} node(s)"
+                         f"{' and an autoscaler that adds more' if grows else ''}, which do not all share this machine's disk: "
+                         "use object storage (s3://...), or set storage_shared=true if every node mounts the folder at the same path")
+
+
+def autoscaled() -> bool:
+    """Whether an autoscaler serves the cluster, so that work it lacks room for now makes it add nodes.
+    Ray has no public call for this: its v1 autoscaler publishes its status in the GCS key-value store
+    after every update (every few seconds), and a head running v2 sets a flag there."""
+    from ray.autoscaler.v2.utils import is_autoscaler_v2
+    from ray.experimental.internal_kv import _internal_kv_get
+
+    return bool(_internal_kv_get(ray_constants.DEBUG_AUTOSCALING_STATUS)) or is_autoscaler_v2(fetch_from_server=True)
 
 
 def describe() -> dict:
@@ -71,35 +85,52 @@ def describe() -> dict:
 
 @dataclass(frozen=True)
 class Resources:
+    """What ftflow's stages may take of the cluster now, and whether asking for more makes it grow."""
+
     cpus: float
     gpus: int
     node_cpus: float = math.inf  # the most CPUs one node has: what a single task can ask for
+    can_grow: bool = False
 
     @classmethod
     def of_cluster(cls) -> Resources:
-        """What ftflow's stages may take: the cluster's CPUs less DATA_CPUS, and its GPUs."""
+        """The cluster's CPUs less DATA_CPUS, its GPUs, and whether an autoscaler serves it."""
         total, nodes = ray.cluster_resources(), [node for node in ray.nodes() if node["Alive"]]
         return cls(cpus=max(0.0, total.get("CPU", 0.0) - DATA_CPUS), gpus=int(total.get("GPU", 0)),
-                   node_cpus=max((node["Resources"].get("CPU", 0.0) for node in nodes), default=0.0))
+                   node_cpus=max((node["Resources"].get("CPU", 0.0) for node in nodes), default=0.0), can_grow=autoscaled())
 
     def task_cpus(self) -> int:
         """CPUs for one task that uses as many as it may (evaluation): ftflow's share of the cluster,
         within one node. Asking for more than a node has waits forever."""
         return max(1, int(min(self.cpus, self.node_cpus)))
 
-    def training_workers(self, requested: int | None, cpus_per_worker: float) -> int:
-        fits = self.gpus if self.gpus else int(self.cpus // cpus_per_worker)
+    def use_gpu(self, device: Device) -> bool:
+        """auto: GPUs when the cluster has some now (an autoscaler reports no node types' maxima, so a
+        GPU group scaled to zero is asked for with device=gpu)."""
+        if device == "gpu" and not self.gpus and not self.can_grow:
+            raise ValueError("device=gpu but the Ray cluster has no GPU, and no autoscaler to add one: use device=cpu or auto")
+        return device == "gpu" or (device == "auto" and self.gpus > 0)
+
+    def count(self, requested: int | None, fits: int, what: str, unit: str) -> int:
+        """`requested`, else what fits now (at least one). A request beyond what fits is the cluster's
+        to satisfy when it can grow (Ray waits for the nodes); otherwise it is refused now."""
         if requested is None:
             return max(1, fits)
-        if requested > max(fits, 1):
-            unit = "GPUs" if self.gpus else f"CPUs at {cpus_per_worker} per worker"
-            raise ValueError(f"num_workers={requested} but the cluster fits {fits} ({self.gpus or self.cpus} {unit})")
+        if requested > max(fits, 1) and not self.can_grow:
+            raise ValueError(f"{what}={requested} but the Ray cluster fits {fits} ({unit}), and no autoscaler serves it to add nodes")
         return requested
 
-    def inference_actors(self) -> tuple[int, float, int]:
-        """(actors, CPUs per actor, GPUs per actor): one per GPU, else one per CPU, each taking what
-        is left after one reader and one writer per actor."""
-        if self.gpus:
-            return self.gpus, 1.0, 1
-        actors = max(1, int(self.cpus))
-        return actors, max(0.1, (self.cpus - 2 * READ_CPUS * actors) / actors), 0
+    def training_workers(self, requested: int | None, cpus_per_worker: float, use_gpu: bool) -> int:
+        if use_gpu:
+            return self.count(requested, self.gpus, "num_workers", f"{self.gpus} GPUs")
+        return self.count(requested, int(self.cpus // cpus_per_worker), "num_workers", f"{self.cpus:g} CPUs at {cpus_per_worker:g} per worker")
+
+    def inference_actors(self, requested: int | None, use_gpu: bool) -> tuple[int, float, int]:
+        """(actors, CPUs per actor, GPUs per actor): one per GPU, else one per CPU, each CPU actor
+        taking what is left after one reader and one writer per actor (on a cluster yet to grow, the
+        rest of one CPU)."""
+        if use_gpu:
+            return self.count(requested, self.gpus, "actors", f"{self.gpus} GPUs"), 1.0, 1
+        actors = self.count(requested, int(self.cpus), "actors", f"{self.cpus:g} CPUs")
+        floor = 1 - 2 * READ_CPUS if self.can_grow else 0.1
+        return actors, max(floor, (self.cpus - 2 * READ_CPUS * actors) / actors), 0

@@ -39,6 +39,8 @@ SafeName = Annotated[str, AfterValidator(lambda value: safe_name(value, "name"))
 # the less padding; with batch_size, what bounds an actor's memory whatever the corpus size.
 WINDOW_ROWS = 8192
 
+Device = Literal["auto", "cpu", "gpu"]
+DEVICE = "auto: GPUs when the Ray cluster has some now; gpu: ask for them (an autoscaler adds GPU nodes); cpu: never."
 DataFormat = Literal["auto", "jsonl", "csv", "tsv", "parquet"]
 SplitInputs = str | list[str]
 SPLIT_INPUTS = ("A file, a directory (every data file under it) or a glob, as a local path or fsspec URI (s3://...); "
@@ -76,7 +78,9 @@ class ModelConfig(BaseModel):
 class TrainConfig(BaseModel):
     """Training, with every DeepSpeed memory and speed feature; tasks/train.py derives the DeepSpeed JSON."""
 
-    num_workers: int | None = Field(None, ge=1, description="Ray Train workers; default: one per GPU, else one per cpus_per_worker CPUs.")
+    num_workers: int | None = Field(None, ge=1, description="Ray Train workers, a request the cluster is asked to satisfy (an autoscaler "
+                                                         "adds nodes for it); default: one per GPU, else one per cpus_per_worker CPUs, it has now.")
+    device: Device = Field("auto", description=DEVICE)
     cpus_per_worker: float = Field(1, gt=0, description="CPUs per worker (torch threads: its whole part, at least 1).")
     zero_stage: Literal[0, 1, 2, 3] = Field(
         0,
@@ -104,6 +108,8 @@ class TrainConfig(BaseModel):
     shuffle_buffer_rows: int = Field(2048, ge=1, description="Training rows a worker shuffles among each epoch, after one seeded shuffle of the whole split.")
     prefetch_batches: int = Field(1, ge=0, description="Micro-batches a worker prepares ahead: with micro-batch size and the shuffle buffer, "
                                                       "what its data costs in memory, whatever the corpus size.")
+    wait_for_workers_s: float = Field(600, gt=0, description="How long the cluster may take to make room for every worker "
+                                                             "(nodes to start) before the run fails saying what did not come.")
     max_failures: int = Field(2, ge=0, description="Worker failures survived by restarting from the last checkpoint.")
     deepspeed: dict = Field({}, description="Raw DeepSpeed JSON merged over the derived one, for experts.")
 
@@ -124,6 +130,9 @@ class InferenceConfig(BaseModel):
     text_column: str | None = Field(None, description="Default: the data's text column.")
     id_column: str | None = Field(None, description="Column holding row ids; default: '<file>:<row>'.")
     batch_size: int = Field(64, ge=1)
+    actors: int | None = Field(None, ge=1, description="Model replicas, a request like train.num_workers; default: one per GPU, else one per CPU, it has now.")
+    device: Device = Field("auto", description=DEVICE)
+    wait_for_actors_s: float = Field(600, gt=0, description="How long the cluster may take to start every replica before the run fails.")
     window_rows: int = Field(WINDOW_ROWS, ge=1, description="Rows sorted by length and labelled together: with batch_size, bounds memory per actor.")
 
 

@@ -14,10 +14,11 @@ import pyarrow.dataset
 import ray
 from prefect import get_run_logger, task
 from prefect.artifacts import create_table_artifact
+from ray.data import DataContext
 from ray.data.datasource import FilenameProvider
 
 from tasks import cluster, storage
-from tasks.config import WINDOW_ROWS
+from tasks.config import InferenceConfig
 from tasks.data import DataError, expand_inputs, iter_frames, rows_per_byte
 from tasks.predictor import Predictor
 
@@ -65,31 +66,29 @@ def read_rows(text_column: str, id_column: str | None, base: str, window_rows: i
 
 
 @task
-def predict_files(
-    model_uri: str,
-    input_uri: str | list[str],
-    output_uri: str,
-    text_column: str = "text",
-    id_column: str | None = None,
-    batch_size: int = 64,
-    ray_address: str | None = None,
-    window_rows: int = WINDOW_ROWS,
-) -> dict:
-    """Label every row of every input file; Parquet (id, text, label, score) at output_uri,
-    complete once output_uri/_SUCCESS.json exists (rows, input and model fingerprints)."""
-    files = expand_inputs(input_uri)
+def predict_files(model_uri: str, cfg: InferenceConfig, output_uri: str, ray_address: str | None = None) -> dict:
+    """Label every row of every file cfg.input_uri names; Parquet (id, text, label, score) at
+    output_uri, complete once output_uri/_SUCCESS.json exists (rows, input and model fingerprints)."""
+    if cfg.input_uri is None:
+        raise ValueError("input_uri: no files to label")
+    text_column, id_column = cfg.text_column or "text", cfg.id_column
+    files = expand_inputs(cfg.input_uri)
     output = storage.OutputFolder(output_uri)
-    storage.refuse_overlap([output_uri], [model_uri, *([input_uri] if isinstance(input_uri, str) else input_uri), *files])
+    storage.refuse_overlap([output_uri], [model_uri, *([cfg.input_uri] if isinstance(cfg.input_uri, str) else cfg.input_uri), *files])
     output.check()  # refused before any cluster work: a folder holding files ftflow did not write
     base = os.path.commonpath(files) if len(files) > 1 else ""
     cluster.connect(ray_address)
-    actors, cpus, gpus = cluster.Resources.of_cluster().inference_actors()
+    resources = cluster.Resources.of_cluster()
+    actors, cpus, gpus = resources.inference_actors(cfg.actors, resources.use_gpu(cfg.device))
     job = output.start()  # a re-run replaces exactly what an earlier job here wrote, complete or not
     out_path, out_fs = storage.pyarrow_filesystem(output_uri)
     sizes = {uri: storage.size(uri) for uri in files}  # once: for the progress estimate and its reports
-    window = balanced_window(window_rows, batch_size, actors, sizes)
+    window = balanced_window(cfg.window_rows, cfg.batch_size, actors, sizes)
     logger, progress, started = get_run_logger(), Progress.remote(), time.perf_counter()
-    with logging_progress(progress, sizes, logger):
+    # Ray Data waits for an actor pool's replicas forever unless told otherwise: a pool no node can
+    # hold (or that the autoscaler does not add in time) fails instead, below.
+    DataContext.get_current().wait_for_min_actors_s = cfg.wait_for_actors_s
+    with logging_progress(progress, sizes, logger), refused_pool(actors, cpus, gpus, cfg.wait_for_actors_s):
         (
             ray.data.from_items([{"uri": uri, "size": size} for uri, size in sizes.items()], override_num_blocks=len(files))
             # One reader per actor keeps up with it (reads run at tens of thousands of rows/s) and
@@ -98,7 +97,7 @@ def predict_files(
                          batch_format="pandas", num_cpus=cluster.READ_CPUS, concurrency=actors)
             .map_batches(
                 Predictor,
-                fn_constructor_kwargs={"model_uri": model_uri, "batch_size": batch_size, "threads": max(1, round(cpus)),
+                fn_constructor_kwargs={"model_uri": model_uri, "batch_size": cfg.batch_size, "threads": max(1, round(cpus)),
                                        "progress": progress},
                 batch_size=window,
                 batch_format="pandas",
@@ -129,6 +128,19 @@ def predict_files(
         description=f"{model_uri} over {len(files)} file(s) from {base or files[0]}",
     )
     return {"output_uri": output_uri, "rows": rows, "files": len(files), "seconds": round(seconds, 2)}
+
+
+@contextmanager
+def refused_pool(actors: int, cpus: float, gpus: int, wait_s: float) -> Iterator[None]:
+    """Ray Data's timeout on starting the actor pool, as one line saying what did not come."""
+    try:
+        yield
+    except ray.exceptions.GetTimeoutError as error:
+        if "Timed out while starting actors" not in str(error):
+            raise
+        raise RuntimeError(f"the Ray cluster did not start {actors} inference actor(s) of {cpus:.2g} CPU{f' and {gpus} GPU' if gpus else ''} "
+                           f"each within wait_for_actors_s={wait_s:g}: no node can hold one, or none was added in time; "
+                           "see `ray status`") from None
 
 
 def balanced_window(window_rows: int, batch_size: int, actors: int, sizes: dict[str, int]) -> int:

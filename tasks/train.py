@@ -4,12 +4,15 @@ streamed splits to Ray Train, and return what the workers (tasks/train_worker.py
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 import pyarrow as pa
 import ray
 from prefect import get_run_logger, task
-from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
+from ray.train import CheckpointConfig, ControllerError, DataConfig, FailureConfig, RunConfig, ScalingConfig
+from ray.train.v2._internal.constants import WORKER_GROUP_START_TIMEOUT_S_ENV_VAR
+from ray.train.v2._internal.exceptions import WorkerGroupStartupTimeoutError
 from ray.train.torch import TorchConfig, TorchTrainer
 from transformers import AutoConfig
 
@@ -28,25 +31,31 @@ TRAINING_TAG = "ray-training"
 # choice made to save memory.
 ZERO3_WORKER_ENV = {"MALLOC_MMAP_THRESHOLD_": str(64 * 2**10)}
 
+# Blocks of the training stream: Ray Data cuts them at 128 MiB, and a shuffle's output blocks are
+# large, so a worker waited on a few big reduce tasks: at 1M tiny-model rows, 0.47x the samples/s
+# of the in-memory loader, 1.01x with blocks of at most 16 MiB (bench/training_data.py).
+BLOCK_BYTES = 16 * 2**20
+
+
 def cpu_has_native_bf16() -> bool:
     flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def plan(cfg: TrainConfig, resources: cluster.Resources) -> Plan:
-    """Resolve workers, micro-batch, accumulation and precision, or say what to change."""
-    workers = resources.training_workers(cfg.num_workers, cfg.cpus_per_worker)
+    """Resolve device, workers, micro-batch, accumulation and precision, or say what to change."""
+    use_gpu = resources.use_gpu(cfg.device)
+    workers = resources.training_workers(cfg.num_workers, cfg.cpus_per_worker, use_gpu)
     micro = cfg.micro_batch_size or cfg.batch_size // workers
     if micro < 1 or cfg.batch_size % (workers * micro):
         raise ValueError(
             f"batch_size={cfg.batch_size} is not divisible by {workers} workers x micro_batch_size={micro}; "
             f"use a batch_size that is a multiple of {workers * max(micro, 1)} or change micro_batch_size/num_workers"
         )
-    use_gpu = bool(resources.gpus)
     if not use_gpu and cfg.precision == "fp16":
-        raise ValueError("precision=fp16 needs a GPU and this cluster has none: use fp32 (or auto)")
+        raise ValueError("precision=fp16 needs a GPU and this run trains on CPUs: use fp32 (or auto), or device=gpu")
     if not use_gpu and cfg.activation_offload:
-        raise ValueError("activation_offload moves GPU activations to CPU memory; this cluster has no GPU: set it false")
+        raise ValueError("activation_offload moves GPU activations to CPU memory and this run trains on CPUs: set it false, or device=gpu")
     precision = "fp32" if cfg.precision == "auto" and not use_gpu else cfg.precision
     return Plan(workers=workers, micro_batch=micro, accumulation=cfg.batch_size // (workers * micro), use_gpu=use_gpu,
                 precision=precision)
@@ -116,6 +125,7 @@ def split(uri: str, workers: int) -> tuple[ray.data.Dataset, int]:
     it with its real row count (from the Parquet footers: nothing is read)."""
     path, filesystem = storage.pyarrow_filesystem(uri)
     rows = ray.data.read_parquet(path, filesystem=filesystem, file_extensions=["parquet"])
+    rows.context.target_max_block_size = BLOCK_BYTES  # this stream's context: the read and the shuffle after it
     count = rows.count()
     padding = -count % workers
     if padding:
@@ -153,7 +163,7 @@ def train(tokenized: dict[str, str], model: ModelConfig, label_names: list[str],
     logger.info("training on %s, %d steps", the_plan.describe(cfg), max_steps)
     if the_plan.precision == "bf16" and not the_plan.use_gpu and not cpu_has_native_bf16():  # this machine's CPU, as a hint
         logger.warning("precision=bf16 on a CPU without native bf16 (avx512_bf16, amx): it trains, but ~2.4x slower than fp32")
-    TorchTrainer(
+    trainer = TorchTrainer(
         train_worker,
         train_loop_config={"spec": spec.model_dump()},
         datasets={"train": train_rows.random_shuffle(seed=cfg.seed), "validation": validation_rows},
@@ -166,9 +176,22 @@ def train(tokenized: dict[str, str], model: ModelConfig, label_names: list[str],
             name="ray", storage_path=storage_path, storage_filesystem=filesystem,
             worker_runtime_env={"env_vars": ZERO3_WORKER_ENV if cfg.zero_stage == 3 else {}},
             checkpoint_config=CheckpointConfig(num_to_keep=2),
-            failure_config=FailureConfig(max_failures=cfg.max_failures),
+            # A controller failure is the worker group not starting: retried, it would wait forever.
+            failure_config=FailureConfig(max_failures=cfg.max_failures, controller_failure_limit=0),
         ),
-    ).fit()
+    )
+    # Ray Train reads how long a worker group may take to start from the driver's environment (it
+    # passes it to its controller); no parameter sets it.
+    os.environ[WORKER_GROUP_START_TIMEOUT_S_ENV_VAR] = str(cfg.wait_for_workers_s)
+    try:
+        trainer.fit()
+    except ControllerError as error:
+        if not isinstance(error.controller_failure, WorkerGroupStartupTimeoutError):
+            raise
+        gpu = " and 1 GPU" if the_plan.use_gpu else ""
+        raise RuntimeError(f"the Ray cluster did not make room for {the_plan.workers} training worker(s) of {cfg.cpus_per_worker:g} CPU"
+                           f"{gpu} each within wait_for_workers_s={cfg.wait_for_workers_s:g}: no node can hold one, or none was "
+                           "added in time; see `ray status`") from None
     result = Result.model_validate(storage.read_json(storage.join(model_uri, STATE_FILE)))
     for row in result.history:
         logger.info(

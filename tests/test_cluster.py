@@ -26,11 +26,11 @@ ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
 
-def start_ray_head(port: int, env: dict[str, str]) -> subprocess.Popen:
+def start_ray_head(port: int, env: dict[str, str], *args: str) -> subprocess.Popen:
     """`ray start --block`: the head's processes end with it, leaving any other Ray alone."""
     head = subprocess.Popen(
         [str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address", "127.0.0.1",
-         "--port", str(port), "--num-cpus", "2", "--include-dashboard", "false", "--disable-usage-stats"],
+         "--port", str(port), "--include-dashboard", "false", "--disable-usage-stats", *(args or ["--num-cpus", "2"])],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     for _ in range(240):
         with socket.socket() as s:
@@ -125,33 +125,83 @@ def test_flows_run_against_a_prefect_server_that_requires_an_auth_string(tiny_mo
     assert auth.split(":")[1] not in run.stdout + run.stderr + stored_text(labels)
 
 
-def test_finetune_on_several_nodes_with_storage_in_s3(tiny_model, small_data, s3_endpoint, tmp_path):
-    """A head and two worker nodes (separate raylets) on this machine: the training workers land on
-    different nodes, every artifact in S3 is complete; a local storage root is refused up front."""
-    from ray.cluster_utils import Cluster
+def autoscaling_config(port: int, path: Path) -> Path:
+    """Ray's fake multi-node provider (its example.yaml, which the wheel lacks): a head that offers
+    no CPU for work and a 2-CPU node type from zero to three nodes, each a separate raylet on this
+    machine, removed after ~12 s idle. gcs_address: added nodes join this test's head, not :6379."""
+    path.write_text(json.dumps({
+        "cluster_name": "ftflow-test", "max_workers": 3, "upscaling_speed": 1.0, "idle_timeout_minutes": 0.2,
+        "provider": {"type": "fake_multinode", "use_node_id_as_ip": True, "disable_node_updaters": True,
+                     "disable_launch_config_check": True, "gcs_address": f"127.0.0.1:{port}"},
+        "available_node_types": {
+            "ray.head.default": {"resources": {"CPU": 0}, "node_config": {}, "max_workers": 0},
+            "cpu2": {"resources": {"CPU": 2, "object_store_memory": 300 * 2**20}, "node_config": {}, "min_workers": 0, "max_workers": 3},
+        },
+        "head_node_type": "ray.head.default", "auth": {}, "docker": {}, "file_mounts": {}, "cluster_synced_files": [],
+        "file_mounts_sync_continuously": False, "rsync_exclude": [], "rsync_filter": [], "initialization_commands": [],
+        "setup_commands": [], "head_setup_commands": [], "worker_setup_commands": [], "head_start_ray_commands": [],
+        "worker_start_ray_commands": [],
+    }))
+    return path
 
-    nodes = Cluster(initialize_head=True, connect=False, head_node_args={"num_cpus": 1})  # the head: Ray Data's CPU
-    workers = [nodes.add_node(num_cpus=2) for _ in range(2)]  # each fits one worker of 1.5 CPUs, not two
-    env = {**os.environ, "RAY_ADDRESS": nodes.address}
 
-    def finetune(root: str) -> subprocess.CompletedProcess:
+def alive_nodes(env: dict[str, str]) -> int:
+    count = subprocess.run([sys.executable, "-c", "import ray; ray.init(log_to_driver=False); "
+                            "print('alive:', sum(n['Alive'] for n in ray.nodes()))"], env=env, capture_output=True, text=True, timeout=120)
+    return int(re.search(r"^alive: (\d+)$", count.stdout, re.M)[1])
+
+
+def test_finetune_on_a_cluster_that_grows_and_shrinks(tiny_model, small_data, s3_endpoint, tmp_path):
+    """An autoscaling cluster at rest, a head alone that takes no work: the finetune flow asks for two
+    training workers of 1.5 CPUs and two inference actors; the autoscaler adds 2-CPU nodes (separate
+    raylets), training workers land on different nodes, every artifact in S3 is complete, and the
+    nodes go once idle. A local storage root is refused up front; a request no node type can satisfy
+    (a GPU) fails within the configured wait, saying so, in training and in batch inference."""
+    port, token = free_port(), secrets.token_hex(32)
+    secured = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}
+    head = start_ray_head(port, {**secured, "RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1"},
+                          "--num-cpus", "0", "--autoscaling-config",
+                          str(autoscaling_config(port, tmp_path / "cluster.json")))
+    driver = {**secured, "RAY_ADDRESS": f"127.0.0.1:{port}"}
+
+    def finetune(root: str, **train: object) -> subprocess.CompletedProcess:
         config = tmp_path / "params.json"
         run_params = params(tiny_model, small_data, root)
-        run_params.train.cpus_per_worker = 1.5
+        run_params.train = run_params.train.model_copy(update={"num_workers": 2, "cpus_per_worker": 1.5, **train})
+        run_params.inference.actors = 2
         config.write_text(run_params.model_dump_json())
-        return subprocess.run([sys.executable, "-m", "flows.finetune", str(config)], cwd=ROOT, env=env,
+        return subprocess.run([sys.executable, "-m", "flows.finetune", str(config)], cwd=ROOT, env=driver,
                               capture_output=True, text=True, timeout=900)
     try:
+        time.sleep(3)  # the autoscaler's first report, by which a driver knows it is there
         refused = finetune(str(tmp_path / "local-store"))
         assert refused.returncode != 0 and not (tmp_path / "local-store").exists()
-        assert "storage_root " + str(tmp_path / "local-store") + " is a local folder, but the Ray cluster has 3 node(s)" in refused.stderr
+        assert (f"storage_root {tmp_path / 'local-store'} is a local folder, but the Ray cluster has 1 node(s) and an "
+                "autoscaler that adds more") in refused.stderr, refused.stderr[-3000:]
 
-        run = finetune(f"s3://{BUCKET}/several-nodes")
+        run = finetune(f"s3://{BUCKET}/grows")
         assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+        for _ in range(24):  # removed ~20 s after their last work
+            if alive_nodes(driver) == 1:
+                break
+            time.sleep(5)
+        assert alive_nodes(driver) == 1, "the added nodes went once idle"
+
+        never = finetune(f"s3://{BUCKET}/never", device="gpu", wait_for_workers_s=15)
+        assert never.returncode != 0
+        assert ("the Ray cluster did not make room for 2 training worker(s) of 1.5 CPU and 1 GPU each within "
+                "wait_for_workers_s=15") in never.stderr, never.stderr[-3000:]
+        no_actors = subprocess.run(
+            [sys.executable, "-c", "import sys; from flows.batch_infer import batch_infer; "
+             "batch_infer(*sys.argv[1:], device='gpu', wait_for_actors_s=10)", str(tiny_model), str(small_data["test"]),
+             str(tmp_path / "labels")], cwd=ROOT, env=driver, capture_output=True, text=True, timeout=300)
+        assert no_actors.returncode != 0 and not (tmp_path / "labels" / storage.MARKER).exists()
+        assert ("the Ray cluster did not start 1 inference actor(s) of 1 CPU and 1 GPU each within wait_for_actors_s=10"
+                in no_actors.stderr), no_actors.stderr[-3000:]
     finally:
-        nodes.shutdown()
+        os.killpg(head.pid, signal.SIGTERM)
+        head.wait(timeout=60)
     run_dir = re.search(r"artifacts: +(\S+)", run.stdout)[1]
     manifest = check_run(run_dir, {"test_accuracy": storage.read_json(storage.join(run_dir, "metrics.json"))["accuracy"]},
                          small_data)
-    assert sorted(manifest["metrics"]["training"]["nodes"]) == sorted(node.node_id for node in workers)
-    assert manifest["cluster"]["nodes"] == 3
+    assert len(set(manifest["metrics"]["training"]["nodes"])) == 2, "one worker per added node: 1.5 CPUs each, 2 per node"

@@ -10,6 +10,8 @@ from tasks.config import TrainConfig
 from tasks.train import deepspeed_config, plan
 
 LAPTOP, GPU_NODE = Resources(cpus=2, gpus=0), Resources(cpus=16, gpus=2)
+# KubeRay's shipped cluster at rest: a head that takes no work, a GPU group scaled to zero.
+GPUS_ON_DEMAND = Resources(cpus=0, gpus=0, node_cpus=0, can_grow=True)
 
 
 def test_defaults_fit_the_machine_with_no_accumulation():
@@ -37,15 +39,28 @@ def test_gpu_cluster_gets_one_worker_per_gpu_and_mixed_precision():
     ("cfg", "resources", "message"),
     [
         (TrainConfig(batch_size=20, num_workers=2, micro_batch_size=4), LAPTOP, "batch_size=20 is not divisible by 2 workers x micro_batch_size=4; use a batch_size that is a multiple of 8"),
-        (TrainConfig(num_workers=4), LAPTOP, "num_workers=4 but the cluster fits 2"),
-        (TrainConfig(precision="fp16"), LAPTOP, "precision=fp16 needs a GPU"),
+        (TrainConfig(num_workers=4), LAPTOP, r"num_workers=4 but the Ray cluster fits 2 \(2 CPUs at 1 per worker\), and no autoscaler"),
+        (TrainConfig(device="gpu"), LAPTOP, "device=gpu but the Ray cluster has no GPU, and no autoscaler to add one"),
+        (TrainConfig(precision="fp16"), LAPTOP, "precision=fp16 needs a GPU and this run trains on CPUs"),
         (TrainConfig(activation_offload=True), LAPTOP, "activation_offload moves GPU activations"),
-        (TrainConfig(num_workers=3), GPU_NODE, "num_workers=3 but the cluster fits 2"),
+        (TrainConfig(num_workers=3), GPU_NODE, r"num_workers=3 but the Ray cluster fits 2 \(2 GPUs\)"),
     ],
 )
 def test_what_cannot_run_here_is_refused_with_what_to_change(cfg, resources, message):
     with pytest.raises(ValueError, match=message):
         plan(cfg, resources)
+
+
+def test_a_cluster_that_grows_is_asked_for_what_the_config_says():
+    """Requests, not limits read off the nodes up now: the autoscaler adds the nodes they need."""
+    p = plan(TrainConfig(num_workers=4, device="gpu", batch_size=64), GPUS_ON_DEMAND)
+    assert (p.workers, p.micro_batch, p.use_gpu, p.precision) == (4, 16, True, "auto")
+    assert plan(TrainConfig(), GPUS_ON_DEMAND).workers == 1, "by default, what fits now (at least one)"
+    assert GPUS_ON_DEMAND.inference_actors(3, use_gpu=True) == (3, 1.0, 1)
+    # CPU actors on nodes yet to come: each with its reader and writer takes one CPU.
+    assert GPUS_ON_DEMAND.inference_actors(2, use_gpu=False) == (2, 0.5, 0)
+    with pytest.raises(ValueError, match="actors=3 but the Ray cluster fits 2"):
+        LAPTOP.inference_actors(3, use_gpu=False)
 
 
 @pytest.mark.parametrize(
