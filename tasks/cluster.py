@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -67,13 +68,18 @@ def refuse_local_storage(root: str, shared: bool) -> None:
 
 
 def autoscaled() -> bool:
-    """Whether an autoscaler serves the cluster, so that work it lacks room for now makes it add nodes.
-    Ray has no public call for this: its v1 autoscaler publishes its status in the GCS key-value store
-    after every update (every few seconds), and a head running v2 sets a flag there."""
+    """Whether an autoscaler with node types of its own serves the cluster, so that work it lacks room
+    for now makes it add nodes. Ray has no public call for this. Its v1 autoscaler publishes a status
+    in the GCS key-value store; a head started without a cluster config runs it too, read-only, with
+    no report or only node types named after the nodes up ("node_<id>"). A head running v2 sets a
+    flag instead (taken as growing: not seen here, the wheel cannot run v2's fake provider)."""
     from ray.autoscaler.v2.utils import is_autoscaler_v2
     from ray.experimental.internal_kv import _internal_kv_get
 
-    return bool(_internal_kv_get(ray_constants.DEBUG_AUTOSCALING_STATUS)) or is_autoscaler_v2(fetch_from_server=True)
+    status = json.loads(_internal_kv_get(ray_constants.DEBUG_AUTOSCALING_STATUS) or "{}")
+    report = status.get("autoscaler_report") or {}
+    node_types = {*report.get("active_nodes", {}), *(report.get("idle_nodes") or {}), *report.get("pending_launches", {})}
+    return any(not name.startswith("node_") for name in node_types) or is_autoscaler_v2(fetch_from_server=True)
 
 
 def describe() -> dict:
@@ -127,10 +133,13 @@ class Resources:
 
     def inference_actors(self, requested: int | None, use_gpu: bool) -> tuple[int, float, int]:
         """(actors, CPUs per actor, GPUs per actor): one per GPU, else one per CPU, each CPU actor
-        taking what is left after one reader and one writer per actor (on a cluster yet to grow, the
-        rest of one CPU)."""
+        taking its share of what is left after one reader and one writer per actor, within a node
+        (on a cluster yet to grow, the rest of one CPU)."""
         if use_gpu:
             return self.count(requested, self.gpus, "actors", f"{self.gpus} GPUs"), 1.0, 1
         actors = self.count(requested, int(self.cpus), "actors", f"{self.cpus:g} CPUs")
         floor = 1 - 2 * READ_CPUS if self.can_grow else 0.1
-        return actors, max(floor, (self.cpus - 2 * READ_CPUS * actors) / actors), 0
+        # Within one node beside its reader and writer: a larger actor no node can hold (seen: 3.5
+        # CPUs asked of 3-CPU nodes once the autoscaler had added three).
+        share = min((self.cpus - 2 * READ_CPUS * actors) / actors, self.node_cpus - 2 * READ_CPUS)
+        return actors, max(floor, share), 0

@@ -127,7 +127,7 @@ def test_flows_run_against_a_prefect_server_that_requires_an_auth_string(tiny_mo
 
 def autoscaling_config(port: int, path: Path) -> Path:
     """Ray's fake multi-node provider (its example.yaml, which the wheel lacks): a head that offers
-    no CPU for work and a 2-CPU node type from zero to three nodes, each a separate raylet on this
+    no CPU for work and a 3-CPU node type from zero to three nodes, each a separate raylet on this
     machine, removed after ~12 s idle. gcs_address: added nodes join this test's head, not :6379."""
     path.write_text(json.dumps({
         "cluster_name": "ftflow-test", "max_workers": 3, "upscaling_speed": 1.0, "idle_timeout_minutes": 0.2,
@@ -135,7 +135,7 @@ def autoscaling_config(port: int, path: Path) -> Path:
                      "disable_launch_config_check": True, "gcs_address": f"127.0.0.1:{port}"},
         "available_node_types": {
             "ray.head.default": {"resources": {"CPU": 0}, "node_config": {}, "max_workers": 0},
-            "cpu2": {"resources": {"CPU": 2, "object_store_memory": 300 * 2**20}, "node_config": {}, "min_workers": 0, "max_workers": 3},
+            "cpu3": {"resources": {"CPU": 3, "object_store_memory": 300 * 2**20}, "node_config": {}, "min_workers": 0, "max_workers": 3},
         },
         "head_node_type": "ray.head.default", "auth": {}, "docker": {}, "file_mounts": {}, "cluster_synced_files": [],
         "file_mounts_sync_continuously": False, "rsync_exclude": [], "rsync_filter": [], "initialization_commands": [],
@@ -153,7 +153,7 @@ def alive_nodes(env: dict[str, str]) -> int:
 
 def test_finetune_on_a_cluster_that_grows_and_shrinks(tiny_model, small_data, s3_endpoint, tmp_path):
     """An autoscaling cluster at rest, a head alone that takes no work: the finetune flow asks for two
-    training workers of 1.5 CPUs and two inference actors; the autoscaler adds 2-CPU nodes (separate
+    training workers of 2 CPUs and two inference actors; the autoscaler adds 3-CPU nodes (separate
     raylets), training workers land on different nodes, every artifact in S3 is complete, and the
     nodes go once idle. A local storage root is refused up front; a request no node type can satisfy
     (a GPU) fails within the configured wait, saying so, in training and in batch inference."""
@@ -167,7 +167,7 @@ def test_finetune_on_a_cluster_that_grows_and_shrinks(tiny_model, small_data, s3
     def finetune(root: str, **train: object) -> subprocess.CompletedProcess:
         config = tmp_path / "params.json"
         run_params = params(tiny_model, small_data, root)
-        run_params.train = run_params.train.model_copy(update={"num_workers": 2, "cpus_per_worker": 1.5, **train})
+        run_params.train = run_params.train.model_copy(update={"num_workers": 2, "cpus_per_worker": 2, **train})
         run_params.inference.actors = 2
         config.write_text(run_params.model_dump_json())
         return subprocess.run([sys.executable, "-m", "flows.finetune", str(config)], cwd=ROOT, env=driver,
@@ -189,7 +189,7 @@ def test_finetune_on_a_cluster_that_grows_and_shrinks(tiny_model, small_data, s3
 
         never = finetune(f"s3://{BUCKET}/never", device="gpu", wait_for_workers_s=15)
         assert never.returncode != 0
-        assert ("the Ray cluster did not make room for 2 training worker(s) of 1.5 CPU and 1 GPU each within "
+        assert ("the Ray cluster did not make room for 2 training worker(s) of 2 CPU and 1 GPU each within "
                 "wait_for_workers_s=15") in never.stderr, never.stderr[-3000:]
         no_actors = subprocess.run(
             [sys.executable, "-c", "import sys; from flows.batch_infer import batch_infer; "
@@ -204,4 +204,4 @@ def test_finetune_on_a_cluster_that_grows_and_shrinks(tiny_model, small_data, s3
     run_dir = re.search(r"artifacts: +(\S+)", run.stdout)[1]
     manifest = check_run(run_dir, {"test_accuracy": storage.read_json(storage.join(run_dir, "metrics.json"))["accuracy"]},
                          small_data)
-    assert len(set(manifest["metrics"]["training"]["nodes"])) == 2, "one worker per added node: 1.5 CPUs each, 2 per node"
+    assert len(set(manifest["metrics"]["training"]["nodes"])) == 2, "one worker per added node: 2 CPUs each, 3 per node"

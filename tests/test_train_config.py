@@ -59,6 +59,8 @@ def test_a_cluster_that_grows_is_asked_for_what_the_config_says():
     assert GPUS_ON_DEMAND.inference_actors(3, use_gpu=True) == (3, 1.0, 1)
     # CPU actors on nodes yet to come: each with its reader and writer takes one CPU.
     assert GPUS_ON_DEMAND.inference_actors(2, use_gpu=False) == (2, 0.5, 0)
+    grown = Resources(cpus=8, gpus=0, node_cpus=3, can_grow=True)  # three 3-CPU nodes up, less Ray Data's CPU
+    assert grown.inference_actors(2, use_gpu=False) == (2, 2.5, 0), "no larger than a node holds beside its reader and writer"
     with pytest.raises(ValueError, match="actors=3 but the Ray cluster fits 2"):
         LAPTOP.inference_actors(3, use_gpu=False)
 
