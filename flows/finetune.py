@@ -35,8 +35,8 @@ def finetune(params: FinetuneParams = FinetuneParams()) -> dict:
     store.check()  # and outputs that would overwrite what ftflow did not write, or anything it reads
     refuse_overlap([store.base, key.target, champion_pointer(params.storage_root, params.promotion.model_name)],
                    [*params.inputs(), *(uri for split in splits.values() for uri in split.uris)])
-    cluster.connect(params.ray_address)
-    cluster.refuse_local_storage(params.storage_root, params.storage_shared)  # on several nodes: each its own disk
+    read = {f"data.{name}": list(split.uris) for name, split in splits.items()}
+    cluster.refuse_local_paths({"storage_root": [params.storage_root], **read}, params.storage_shared, params.ray_address)
 
     took = Stopwatch()
     with took("tokenize"):
@@ -45,9 +45,10 @@ def finetune(params: FinetuneParams = FinetuneParams()) -> dict:
     with took("train"):
         training = train(tokenized, params.model, params.data.label_names, params.train, store.base, params.ray_address)
     with took("evaluate"):
-        metrics = evaluate(store.model_dir, splits["test"], store.metrics)
+        metrics = evaluate(store.model_dir, splits["test"], store.metrics, params.ray_address)
     with took("promote"):
-        promotion = promote(store.model_dir, metrics, splits["test"], params.promotion, params.storage_root, store.run_id)
+        promotion = promote(store.model_dir, metrics, splits["test"], params.promotion, params.storage_root, store.run_id,
+                            params.ray_address)
     with took("batch inference"):
         inference = params.inference.model_copy(update={"input_uri": params.inference.input_uri or list(splits["test"].uris),
                                                          "text_column": params.inference.text_column or params.data.text_column})
@@ -61,6 +62,7 @@ def finetune(params: FinetuneParams = FinetuneParams()) -> dict:
     write_manifest(
         store.manifest,
         config=config,
+        cluster=training.cluster,
         data={"splits": {n: {"uris": list(s.uris), "sha256": s.sha256, "rows": s.total_rows} for n, s in splits.items()},
               "tokenize_key": key.model_dump()},
         outputs=outputs,

@@ -26,14 +26,26 @@ READ_CPUS = 0.25
 DATA_CPUS = 1
 
 
+def jobs_api(address: str | None) -> str | None:
+    """The cluster's Job API when `address` (else RAY_ADDRESS) is one: http(s)://<head>:8265, Ray's
+    own convention for `ray job submit`. ftflow then runs each stage as a Ray Job (tasks/jobs.py)."""
+    address = address or os.environ.get("RAY_ADDRESS") or ""
+    return address if address.startswith(("http://", "https://")) else None
+
+
 def connect(address: str | None = None) -> None:
     """Join `address`, else RAY_ADDRESS, else start a local Ray in this process. Ray's ports listen
     on every interface, even a laptop's, so a local Ray keeps Ray's default token authentication
     (its token in ~/.ray/auth_token); a cluster's token comes from the environment
     (RAY_AUTH_MODE=token, RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH), never from a parameter."""
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address and address.startswith("ray://"):
+        # Tried (Ray 2.60): through Ray Client, Ray Data's executor fails at once ("'Worker' object
+        # has no attribute 'core_worker'"), and the autoscaler's status in GCS is out of reach.
+        raise ValueError(f"ray_address {address}: Ray Client cannot run ftflow's stages (Ray Data needs a driver on the "
+                         "cluster); give the cluster's Job API instead, http://<head>:8265, and each stage runs there as a Ray Job")
     if ray.is_initialized():
         return
-    address = address or os.environ.get("RAY_ADDRESS")
     if not address:
         # Ray's notice that it turned token authentication on ends "Set RAY_AUTH_MODE=disabled to opt
         # out": advice ftflow does not want a person to take.
@@ -51,20 +63,27 @@ def connect(address: str | None = None) -> None:
                               "RAY_AUTH_MODE=token and RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH to the cluster's token") from None
 
 
-def refuse_local_storage(root: str, shared: bool) -> None:
-    """A local folder as the storage root of a cluster whose nodes do not all share this machine's
-    disk, or that an autoscaler may add nodes to: each node would write its own checkpoints and
-    shards. Unless the folder is declared shared (NFS at the same path), say to use object storage;
-    before any work."""
-    if shared or storage.is_remote(root):
+def refuse_local_paths(paths: dict[str, list[str]], shared: bool, address: str | None) -> None:
+    """Local paths ({what: paths}, e.g. the storage root, the data) on a cluster whose nodes do not all
+    share this machine's disk, or that an autoscaler may add nodes to, or that runs the stages as Ray
+    Jobs (always elsewhere): each node would read and write its own disk. Unless they are declared
+    shared (NFS at the same path), say to use object storage; before any work. Joins the cluster to
+    look, unless it is reached through its Job API."""
+    local = [f"{what} {path}" for what, given in paths.items() for path in given if not storage.is_remote(path)]
+    if shared or not local:
         return
-    here = ray.util.get_node_ip_address()
-    nodes = [node for node in ray.nodes() if node["Alive"]]
-    grows = autoscaled()
-    if grows or len(nodes) > 1 or any(node["NodeManagerAddress"] != here for node in nodes):
-        raise ValueError(f"storage_root {root} is a local folder, but the Ray cluster has {len(nodes)} node(s)"
-                         f"{' and an autoscaler that adds more' if grows else ''}, which do not all share this machine's disk: "
-                         "use object storage (s3://...), or set storage_shared=true if every node mounts the folder at the same path")
+    if api := jobs_api(address):
+        where = f"the stages run as Ray Jobs on the cluster at {api}, whose nodes"
+    else:
+        connect(address)
+        here = ray.util.get_node_ip_address()
+        nodes = [node for node in ray.nodes() if node["Alive"]]
+        grows = autoscaled()
+        if not grows and len(nodes) == 1 and nodes[0]["NodeManagerAddress"] == here:
+            return
+        where = f"the Ray cluster has {len(nodes)} node(s){' and an autoscaler that adds more' if grows else ''}, which"
+    raise ValueError(f"{local[0]} is a local path, but {where} do not all share this machine's disk: use object storage "
+                     "(s3://...), or set storage_shared=true if every node mounts it at the same path")
 
 
 def autoscaled() -> bool:

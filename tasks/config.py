@@ -155,11 +155,13 @@ class FinetuneParams(BaseModel):
         default_factory=default_storage_root,
         description="Local folder or s3://bucket/prefix holding runs/, tokenized/ and models.",
     )
-    storage_shared: bool = Field(False, description="A local storage_root is a folder every Ray node mounts at the same path (NFS): "
-                                                   "allowed on a cluster of several nodes.")
+    storage_shared: bool = Field(False, description="Local paths (storage_root, the data) are folders every Ray node mounts at the "
+                                                   "same path (NFS): allowed on a cluster of several nodes or reached as Ray Jobs.")
     run_id: SafeName | None = Field(None, description="Default: a new id from the time and the flow run. "
                                                       "Letters, digits, '.', '_', '-'; the same id resumes that run.")
-    ray_address: str | None = Field(None, description="Existing Ray cluster (ray://host:10001 or 'auto'); default: RAY_ADDRESS or a local Ray.")
+    ray_address: str | None = Field(None, description="An existing Ray cluster: from outside it, its Job API (http://<head>:8265: "
+                                                      "each stage runs there as a Ray Job); on its network, <head>:6379 or 'auto'. "
+                                                      "Default: RAY_ADDRESS, else a local Ray.")
 
     def inputs(self) -> list[str]:
         """Every location the run reads, as given (files, folders, globs): outputs must stay apart."""

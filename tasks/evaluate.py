@@ -7,7 +7,7 @@ import ray
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-from tasks import cluster, storage
+from tasks import cluster, jobs, storage
 from tasks.data import Split, shown
 from tasks.predictor import confusion
 
@@ -35,8 +35,8 @@ def confusion_markdown(metrics: dict) -> str:
 
 def score(model_uri: str, test: Split) -> dict:
     """Accuracy, macro F1 and the confusion matrix of a model on a split, computed on the cluster by
-    the inference code (tasks/predictor.py) with the CPUs (or a GPU) it has to spare."""
-    cluster.connect()
+    the inference code (tasks/predictor.py) with the CPUs (or a GPU) it has to spare. Ray work:
+    tasks/jobs.py runs it where the cluster is."""
     resources = cluster.Resources.of_cluster()
     remote = ray.remote(confusion).options(num_cpus=resources.task_cpus(), num_gpus=min(1, resources.gpus))
     counts, label_names = ray.get(remote.remote(model_uri, test, resources.task_cpus()))
@@ -44,9 +44,9 @@ def score(model_uri: str, test: Split) -> dict:
 
 
 @task
-def evaluate(model_uri: str, test: Split, metrics_uri: str) -> dict:
+def evaluate(model_uri: str, test: Split, metrics_uri: str, ray_address: str | None = None) -> dict:
     """Accuracy, macro F1 and the confusion matrix on the test split -> metrics.json + artifacts."""
-    metrics = score(model_uri, test)
+    metrics = jobs.run(score, ray_address, get_run_logger(), model_uri=model_uri, test=test)
     storage.write_json(metrics_uri, metrics)
     create_table_artifact(
         key="test-metrics",

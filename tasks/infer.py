@@ -17,7 +17,7 @@ from prefect.artifacts import create_table_artifact
 from ray.data import DataContext
 from ray.data.datasource import FilenameProvider
 
-from tasks import cluster, storage
+from tasks import cluster, jobs, storage
 from tasks.config import InferenceConfig
 from tasks.data import DataError, expand_inputs, iter_frames, rows_per_byte
 from tasks.predictor import Predictor
@@ -69,22 +69,40 @@ def read_rows(text_column: str, id_column: str | None, base: str, window_rows: i
 def predict_files(model_uri: str, cfg: InferenceConfig, output_uri: str, ray_address: str | None = None) -> dict:
     """Label every row of every file cfg.input_uri names; Parquet (id, text, label, score) at
     output_uri, complete once output_uri/_SUCCESS.json exists (rows, input and model fingerprints)."""
+    checked_inputs(model_uri, cfg, output_uri)  # bad input stops here, before any cluster work
+    result = jobs.run(labelled, ray_address, get_run_logger(), model_uri=model_uri, cfg=cfg, output_uri=output_uri)
+    create_table_artifact(
+        key="batch-inference-throughput",
+        table=[{key: result[key] for key in ("rows", "files", "seconds", "rows_per_s", "actors", "window_rows")}],
+        description=f"{model_uri} over {result['files']} file(s), labels in {output_uri}",
+    )
+    return result
+
+
+def checked_inputs(model_uri: str, cfg: InferenceConfig, output_uri: str) -> list[str]:
+    """The input files; refused: none, an output among the inputs or the model, an output folder
+    holding files ftflow did not write."""
     if cfg.input_uri is None:
         raise ValueError("input_uri: no files to label")
-    text_column, id_column = cfg.text_column or "text", cfg.id_column
     files = expand_inputs(cfg.input_uri)
-    output = storage.OutputFolder(output_uri)
     storage.refuse_overlap([output_uri], [model_uri, *([cfg.input_uri] if isinstance(cfg.input_uri, str) else cfg.input_uri), *files])
-    output.check()  # refused before any cluster work: a folder holding files ftflow did not write
+    storage.OutputFolder(output_uri).check()
+    return files
+
+
+def labelled(model_uri: str, cfg: InferenceConfig, output_uri: str) -> dict:
+    """The stage's Ray work (tasks/jobs.py runs it where the cluster is): the inputs as the cluster
+    sees them, then one Ray Data pipeline, read -> predict -> write."""
+    files = checked_inputs(model_uri, cfg, output_uri)
+    text_column, id_column, output = cfg.text_column or "text", cfg.id_column, storage.OutputFolder(output_uri)
     base = os.path.commonpath(files) if len(files) > 1 else ""
-    cluster.connect(ray_address)
     resources = cluster.Resources.of_cluster()
     actors, cpus, gpus = resources.inference_actors(cfg.actors, resources.use_gpu(cfg.device))
     job = output.start()  # a re-run replaces exactly what an earlier job here wrote, complete or not
     out_path, out_fs = storage.pyarrow_filesystem(output_uri)
     sizes = {uri: storage.size(uri) for uri in files}  # once: for the progress estimate and its reports
     window = balanced_window(cfg.window_rows, cfg.batch_size, actors, sizes)
-    logger, progress, started = get_run_logger(), Progress.remote(), time.perf_counter()
+    logger, progress, started = jobs.log, Progress.remote(), time.perf_counter()
     # Ray Data waits for an actor pool's replicas forever unless told otherwise: a pool no node can
     # hold (or that the autoscaler does not add in time) fails instead, below.
     DataContext.get_current().wait_for_min_actors_s = cfg.wait_for_actors_s
@@ -121,13 +139,8 @@ def predict_files(model_uri: str, cfg: InferenceConfig, output_uri: str, ray_add
     })
     logger.info("labelled %d rows from %d file(s) into %s in %.1f s (%.0f rows/s)", rows, len(files), output_uri,
                 seconds, rows / seconds)
-    create_table_artifact(
-        key="batch-inference-throughput",
-        table=[{"rows": rows, "files": len(files), "seconds": round(seconds, 1), "rows_per_s": round(rows / seconds, 1),
-                "actors": actors, "window_rows": window}],
-        description=f"{model_uri} over {len(files)} file(s) from {base or files[0]}",
-    )
-    return {"output_uri": output_uri, "rows": rows, "files": len(files), "seconds": round(seconds, 2)}
+    return {"output_uri": output_uri, "rows": rows, "files": len(files), "seconds": round(seconds, 2),
+            "rows_per_s": round(rows / seconds, 1), "actors": actors, "window_rows": window}
 
 
 @contextmanager

@@ -9,7 +9,7 @@ from importlib.metadata import version
 
 from prefect import task
 
-from tasks import cluster, storage
+from tasks import storage
 
 PACKAGES = ("torch", "transformers", "tokenizers", "deepspeed", "ray", "prefect", "pyarrow", "fsspec", "s3fs")
 
@@ -19,14 +19,14 @@ def versions() -> dict[str, str]:
 
 
 @task
-def write_manifest(manifest_uri: str, config: dict, data: dict, outputs: dict, metrics: dict, seconds: dict) -> str:
+def write_manifest(manifest_uri: str, config: dict, cluster: dict, data: dict, outputs: dict, metrics: dict, seconds: dict) -> str:
     storage.write_json(
         manifest_uri,
         {
             "completed_at": datetime.now(timezone.utc).isoformat(),
             "config": config,
             "versions": versions(),
-            "cluster": cluster.describe(),
+            "cluster": cluster,  # the one that trained
             "data": data,
             "outputs": outputs,
             "metrics": metrics,

@@ -17,7 +17,7 @@ from datetime import datetime, timezone
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 
-from tasks import storage
+from tasks import jobs, storage
 from tasks.config import PromotionConfig
 from tasks.data import Split
 from tasks.evaluate import score
@@ -42,7 +42,8 @@ def resolve(model_uri: str, root: str) -> str:
 
 
 @task
-def promote(model_uri: str, metrics: dict, test: Split, cfg: PromotionConfig, root: str, run_id: str) -> dict:
+def promote(model_uri: str, metrics: dict, test: Split, cfg: PromotionConfig, root: str, run_id: str,
+            ray_address: str | None = None) -> dict:
     """Make model_uri the champion of cfg.model_name if it is at least as good; the decision, with why."""
     pointer = champion_pointer(root, cfg.model_name)
     current = storage.read_json(pointer) if storage.exists(pointer) else None
@@ -50,7 +51,7 @@ def promote(model_uri: str, metrics: dict, test: Split, cfg: PromotionConfig, ro
     if current is None:
         champion, promoted, why = None, True, "no champion yet"
     else:
-        champion = score(current["model_uri"], test)[cfg.metric]
+        champion = jobs.run(score, ray_address, get_run_logger(), model_uri=current["model_uri"], test=test)[cfg.metric]
         promoted = challenger >= champion + cfg.margin
         why = (f"{cfg.metric} {challenger:.4f} {'>=' if promoted else '<'} the champion's {champion:.4f} "
                f"+ margin {cfg.margin:g}, on the same test split")

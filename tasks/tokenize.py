@@ -20,7 +20,7 @@ from pydantic import BaseModel
 from tokenizers import Tokenizer
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from tasks import cluster, storage
+from tasks import cluster, jobs, storage
 from tasks.data import Split
 from tasks.predictor import truncating
 from tasks.shards import SPLITS, shards, write_shards
@@ -101,12 +101,20 @@ def tokenize(
     key: TokenizeKey, splits: dict[str, Split], model_name_or_path: str, ray_address: str | None = None
 ) -> dict[str, str]:
     """Write each split's token ids as Parquet under <root>/tokenized/<key>/; return their URIs."""
-    uris = {name: storage.join(key.target, name) for name in SPLITS}
     if key.shards_exist():  # complete shards of this content, from a run whose cache entry is not here: reuse them
-        return uris  # (tokenizing again would first remove shards another run may be training on)
+        return shard_uris(key)  # (tokenizing again would first remove shards another run may be training on)
+    return jobs.run(tokenized_shards, ray_address, get_run_logger(), key=key, splits=splits, model_name_or_path=model_name_or_path)
+
+
+def shard_uris(key: TokenizeKey) -> dict[str, str]:
+    return {name: storage.join(key.target, name) for name in SPLITS}
+
+
+def tokenized_shards(key: TokenizeKey, splits: dict[str, Split], model_name_or_path: str) -> dict[str, str]:
+    """The stage's Ray work (tasks/jobs.py runs it where the cluster is): the shards, then the marker."""
+    uris = shard_uris(key)
     output = storage.OutputFolder(key.target)
     output.check()
-    cluster.connect(ray_address)
     job = output.start()  # leftovers of an interrupted attempt must not mix with this one
     tokenizer = truncating(load_tokenizer(model_name_or_path), key.max_length)
     rows = _tokenize_splits(splits, tokenizer, uris, job)
@@ -114,5 +122,5 @@ def tokenize(
         if rows[name] != splits[name].total_rows:  # a file changed since it was checked
             raise RuntimeError(f"{name}: wrote {rows[name]} rows, but its files held {splits[name].total_rows} when checked")
     output.complete(job, output.written(job), {"rows": rows})
-    get_run_logger().info("tokenized %s rows into %s", rows, key.target)
+    jobs.log.info("tokenized %s rows into %s", rows, key.target)
     return uris

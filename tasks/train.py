@@ -16,7 +16,7 @@ from ray.train.v2._internal.exceptions import WorkerGroupStartupTimeoutError
 from ray.train.torch import TorchConfig, TorchTrainer
 from transformers import AutoConfig
 
-from tasks import cluster, storage
+from tasks import cluster, jobs, storage
 from tasks.config import ModelConfig, TrainConfig
 from tasks.shards import SHARD_SCHEMA
 from tasks.train_worker import IGNORED, STATE_FILE, Plan, Result, WorkerSpec, train_worker
@@ -147,8 +147,13 @@ def train(tokenized: dict[str, str], model: ModelConfig, label_names: list[str],
           ray_address: str | None = None) -> Result:
     """Fine-tune on the tokenized splits; the consolidated model lands in <run_dir>/model. Returns
     the per-epoch history, the loss and accuracy per step, and the validation predictions."""
-    logger = get_run_logger()
-    cluster.connect(ray_address)
+    return jobs.run(fit, ray_address, get_run_logger(), tokenized=tokenized, model=model, label_names=label_names, cfg=cfg,
+                    run_dir=run_dir)
+
+
+def fit(tokenized: dict[str, str], model: ModelConfig, label_names: list[str], cfg: TrainConfig, run_dir: str) -> Result:
+    """The stage's Ray work (tasks/jobs.py runs it where the cluster is): plan, then Ray Train."""
+    logger = jobs.log
     the_plan = plan(cfg, cluster.Resources.of_cluster())  # refuse what cannot run before any worker starts
     train_rows, train_count = split(tokenized["train"], the_plan.workers)
     validation_rows, _ = split(tokenized["validation"], the_plan.workers)
@@ -199,4 +204,4 @@ def train(tokenized: dict[str, str], model: ModelConfig, label_names: list[str],
             row.epoch, row.step, row.train_loss, row.val_loss, row.val_accuracy, row.samples_per_s, row.peak_memory_mb,
             f", resumed from step {row.resumed_from_step}" if row.resumed_from_step else "",
         )
-    return result
+    return result.model_copy(update={"cluster": cluster.describe()})

@@ -119,6 +119,7 @@ class Result(BaseModel):
     curve: Curve
     validation_predictions: list[int]  # by validation row, as the engine predicted them
     nodes: list[str]  # the Ray node of each worker, by rank, in the last attempt
+    cluster: dict = {}  # the cluster that trained (tasks/cluster.py describe), added by the driver
 
 
 def collate(batch: dict[str, np.ndarray], pad_id: int) -> dict[str, torch.Tensor]:

@@ -59,6 +59,16 @@ def s3_endpoint():
 
 
 @pytest.fixture(scope="session")
+def s3_data(small_data, s3_endpoint) -> dict[str, str]:
+    """small_data in the S3 bucket: what every node of a cluster can read."""
+    import boto3
+
+    for split, path in small_data.items():
+        boto3.client("s3").upload_file(str(path), BUCKET, f"small-data/{path.name}")
+    return {split: f"s3://{BUCKET}/small-data/{path.name}" for split, path in small_data.items()}
+
+
+@pytest.fixture(scope="session")
 def ray_cluster(s3_endpoint):
     import ray
 

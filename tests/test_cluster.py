@@ -18,19 +18,24 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import pytest
 from conftest import BUCKET, free_port, write_jsonl
-from tasks import storage
+from ray.job_submission import JobStatus, JobSubmissionClient, JobType
+
+from tasks import cluster, storage
 from test_flow import check_run, params
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
 
-def start_ray_head(port: int, env: dict[str, str], *args: str) -> subprocess.Popen:
-    """`ray start --block`: the head's processes end with it, leaving any other Ray alone."""
+def start_ray_head(port: int, env: dict[str, str], *args: str, dashboard: int | None = None) -> subprocess.Popen:
+    """`ray start --block`: the head's processes end with it, leaving any other Ray alone. With a
+    dashboard port, its Job API listens there (on loopback)."""
+    api = ["--dashboard-host", "127.0.0.1", "--dashboard-port", str(dashboard)] if dashboard else ["--include-dashboard", "false"]
     head = subprocess.Popen(
         [str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address", "127.0.0.1",
-         "--port", str(port), "--include-dashboard", "false", "--disable-usage-stats", *(args or ["--num-cpus", "2"])],
+         "--port", str(port), *api, "--disable-usage-stats", *(args or ["--num-cpus", "2"])],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     for _ in range(240):
         with socket.socket() as s:
@@ -78,6 +83,91 @@ def test_finetune_joins_a_ray_cluster_that_requires_a_token(tiny_model, small_da
     # The head reports the machine's address; its port says which cluster the run used.
     assert manifest["cluster"]["gcs_address"].endswith(f":{port}"), "the run used the cluster it was pointed at"
     assert token not in run.stdout + run.stderr + stored_text(tmp_path / "store")
+
+
+def job_api_ready(url: str, token: str) -> None:
+    """The Job API answers (the dashboard starts seconds after the head), and only with the token."""
+    for _ in range(240):
+        try:
+            urllib.request.urlopen(f"{url}/api/version", timeout=2)
+            break
+        except urllib.error.HTTPError:
+            break  # up, and refusing a request without the token
+        except OSError:
+            time.sleep(0.5)
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(f"{url}/api/jobs/", timeout=10)
+    assert refused.value.code in (401, 403), "the Job API refuses a client without the cluster's token"
+    urllib.request.urlopen(urllib.request.Request(f"{url}/api/jobs/", headers={"Authorization": f"Bearer {token}"}), timeout=10)
+
+
+def running_job(client: JobSubmissionClient, prefix: str, status: JobStatus, ignore: set[str] = frozenset()) -> str:
+    """The id of the job whose id starts with prefix once it has the status (within 120 s)."""
+    for _ in range(240):
+        job = next((job.submission_id for job in client.list_jobs()
+                    if job.submission_id.startswith(prefix) and job.submission_id not in ignore and job.status == status), None)
+        if job:
+            return job
+        time.sleep(0.5)
+    raise AssertionError(f"no job {prefix}* reached {status}: {[(job.submission_id, job.status) for job in client.list_jobs()]}")
+
+
+def test_finetune_from_outside_the_cluster_as_ray_jobs(tiny_model, s3_data, tmp_path):
+    """A laptop or a Prefect worker outside the cluster gives the head's Job API as ray_address: every
+    stage's Ray work runs there as a Ray Job, its lines followed into the flow run's log, its refusals
+    raised again as the same one line, and stopped with the flow run; the driver never joins Ray. Ray Client (ray://) and local
+    paths are refused before any work, saying what to use."""
+    port, dashboard, token = free_port(), free_port(), secrets.token_hex(32)
+    url = f"http://127.0.0.1:{dashboard}"
+    # The head's environment is the cluster's: its S3 credentials, and the `python` that runs a job.
+    secured = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token, "PATH": f"{BIN}:{os.environ['PATH']}"}
+    head = start_ray_head(port, secured, dashboard=dashboard)
+    try:
+        job_api_ready(url, token)
+        with pytest.raises(ValueError, match=r"^storage_root /x is a local path, but the stages run as Ray Jobs on the cluster at "):
+            cluster.refuse_local_paths({"storage_root": ["/x"]}, False, url)
+        with pytest.raises(ValueError, match=r"^ray_address ray://127.0.0.1:10001: Ray Client cannot run ftflow's stages"):
+            cluster.connect("ray://127.0.0.1:10001")
+
+        config = tmp_path / "params.json"
+        config.write_text(params(tiny_model, s3_data, f"s3://{BUCKET}/from-outside").model_dump_json())
+        run = subprocess.run([sys.executable, "-m", "flows.finetune", str(config)], cwd=ROOT,
+                             env={**secured, "RAY_ADDRESS": url}, capture_output=True, text=True, timeout=900)
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+
+        refused = subprocess.run(
+            [sys.executable, "-c", "import sys; from flows.batch_infer import batch_infer; batch_infer(*sys.argv[1:], device='gpu')",
+             str(tiny_model), s3_data["test"], f"s3://{BUCKET}/never"], cwd=ROOT, env={**secured, "RAY_ADDRESS": url},
+            capture_output=True, text=True, timeout=300)
+        assert refused.returncode != 0
+        assert ("ValueError: device=gpu but the Ray cluster has no GPU, and no autoscaler to add one: use device=cpu or auto"
+                in refused.stderr.splitlines()), refused.stderr[-3000:]
+        client = JobSubmissionClient(url, headers={"Authorization": f"Bearer {token}"})
+        # A flow run stopped mid-training (Prefect cancels one with SIGTERM) stops its job on the cluster.
+        cancelled = subprocess.Popen([sys.executable, "-m", "flows.finetune", str(config)], cwd=ROOT,
+                                     env={**secured, "RAY_ADDRESS": url}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        training = running_job(client, "ftflow-fit-", JobStatus.RUNNING, ignore={job.submission_id for job in client.list_jobs()})
+        cancelled.send_signal(signal.SIGTERM)
+        assert cancelled.wait(timeout=60) != 0
+        assert running_job(client, training, JobStatus.STOPPED), "the flow's job was stopped with it"
+        jobs = [job for job in client.list_jobs() if job.submission_id != training]
+    finally:
+        os.killpg(head.pid, signal.SIGTERM)
+        head.wait(timeout=60)
+
+    run_dir = re.search(r"artifacts: +(\S+)", run.stdout)[1]
+    check_run(run_dir, {"test_accuracy": storage.read_json(storage.join(run_dir, "metrics.json"))["accuracy"]}, s3_data)
+    # Every Ray driver was a job the flow submitted (a driver joining the cluster would be listed too).
+    assert {job.type for job in jobs} == {JobType.SUBMISSION}
+    stages = sorted(job.submission_id.split("-")[1] for job in jobs if job.status == JobStatus.SUCCEEDED)
+    assert stages == ["fit", "labelled", "score", "tokenized_shards"], [(j.submission_id, j.status, j.message) for j in jobs]
+    log = run.stderr  # the flow run's log, as Prefect prints it
+    for stage in stages:
+        assert re.search(rf"{stage} runs as Ray job ftflow-{stage}-\w+ on {url}", log)
+    # The stages' own lines, from the jobs' logs, in the flow run's log as they came.
+    assert re.search(r"Task run 'train-\w+' - training on 1 CPU worker", log), log[-3000:]
+    assert re.search(r"Task run 'tokenize-\w+' - tokenized \{'train': 2048", log)
+    assert "WebSocket closed" not in log
 
 
 def api(url: str, auth: str | None = None, body: dict | None = None) -> tuple[int, object]:
@@ -151,7 +241,7 @@ def alive_nodes(env: dict[str, str]) -> int:
     return int(re.search(r"^alive: (\d+)$", count.stdout, re.M)[1])
 
 
-def test_finetune_on_a_cluster_that_grows_and_shrinks(tiny_model, small_data, s3_endpoint, tmp_path):
+def test_finetune_on_a_cluster_that_grows_and_shrinks(tiny_model, s3_data, tmp_path):
     """An autoscaling cluster at rest, a head alone that takes no work: the finetune flow asks for two
     training workers of 2 CPUs and two inference actors; the autoscaler adds 3-CPU nodes (separate
     raylets), training workers land on different nodes, every artifact in S3 is complete, and the
@@ -166,7 +256,7 @@ def test_finetune_on_a_cluster_that_grows_and_shrinks(tiny_model, small_data, s3
 
     def finetune(root: str, **train: object) -> subprocess.CompletedProcess:
         config = tmp_path / "params.json"
-        run_params = params(tiny_model, small_data, root)
+        run_params = params(tiny_model, s3_data, root)
         run_params.train = run_params.train.model_copy(update={"num_workers": 2, "cpus_per_worker": 2, **train})
         run_params.inference.actors = 2
         config.write_text(run_params.model_dump_json())
@@ -176,8 +266,8 @@ def test_finetune_on_a_cluster_that_grows_and_shrinks(tiny_model, small_data, s3
         time.sleep(3)  # the autoscaler's first report, by which a driver knows it is there
         refused = finetune(str(tmp_path / "local-store"))
         assert refused.returncode != 0 and not (tmp_path / "local-store").exists()
-        assert (f"storage_root {tmp_path / 'local-store'} is a local folder, but the Ray cluster has 1 node(s) and an "
-                "autoscaler that adds more") in refused.stderr, refused.stderr[-3000:]
+        assert (f"storage_root {tmp_path / 'local-store'} is a local path, but the Ray cluster has 1 node(s) and an "
+                "autoscaler that adds more, which do not all share this machine's disk") in refused.stderr, refused.stderr[-3000:]
 
         run = finetune(f"s3://{BUCKET}/grows")
         assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
@@ -193,7 +283,7 @@ def test_finetune_on_a_cluster_that_grows_and_shrinks(tiny_model, small_data, s3
                 "wait_for_workers_s=15") in never.stderr, never.stderr[-3000:]
         no_actors = subprocess.run(
             [sys.executable, "-c", "import sys; from flows.batch_infer import batch_infer; "
-             "batch_infer(*sys.argv[1:], device='gpu', wait_for_actors_s=10)", str(tiny_model), str(small_data["test"]),
+             "batch_infer(*sys.argv[1:], device='gpu', wait_for_actors_s=10)", str(tiny_model), s3_data["test"],
              str(tmp_path / "labels")], cwd=ROOT, env=driver, capture_output=True, text=True, timeout=300)
         assert no_actors.returncode != 0 and not (tmp_path / "labels" / storage.MARKER).exists()
         assert ("the Ray cluster did not start 1 inference actor(s) of 1 CPU and 1 GPU each within wait_for_actors_s=10"
@@ -203,5 +293,5 @@ def test_finetune_on_a_cluster_that_grows_and_shrinks(tiny_model, small_data, s3
         head.wait(timeout=60)
     run_dir = re.search(r"artifacts: +(\S+)", run.stdout)[1]
     manifest = check_run(run_dir, {"test_accuracy": storage.read_json(storage.join(run_dir, "metrics.json"))["accuracy"]},
-                         small_data)
+                         s3_data)
     assert len(set(manifest["metrics"]["training"]["nodes"])) == 2, "one worker per added node: 2 CPUs each, 3 per node"
