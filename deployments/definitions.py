@@ -16,38 +16,46 @@ from __future__ import annotations
 from pathlib import Path
 
 import yaml
+from pydantic import ValidationError
 from prefect.client.orchestration import get_client
 from prefect.deployments.runner import EntrypointType, RunnerDeployment
 from prefect.schedules import Cron
 
 from flows.batch_infer import batch_infer
 from flows.finetune import finetune
-from tasks.config import FinetuneParams
+from tasks.config import FinetuneParams, Strict, one_line
 from tasks.tokenize import TOKENIZE_TAG
 from tasks.train import TRAINING_TAG
 
 RETRAIN_CONFIG = Path(__file__).with_name("retrain.yaml")
 
 
-def retrain_parameters(config: dict) -> dict:
-    """The file's parameters, checked as FinetuneParams now (a bad file fails before anything is
-    served), kept as written: what it leaves out is filled in where the run executes, so no path of
-    the machine that deployed leaks into a cluster's runs."""
-    params = FinetuneParams.model_validate(config.get("parameters") or {})
-    return {"params": params.model_dump(mode="json", exclude_unset=True)}
+class RetrainFile(Strict):
+    """retrain.yaml: a key it does not know is refused like any parameter's."""
+
+    name: str
+    cron: str
+    timezone: str
+    parameters: FinetuneParams = FinetuneParams()
 
 
 def deployments(config_path: Path = RETRAIN_CONFIG) -> list[RunnerDeployment]:
     """Entry points by module path (flows.finetune.finetune): ftflow is installed wherever its flows
-    run (the local venv, the image), so a worker imports them with no code download or image build."""
-    config = yaml.safe_load(config_path.read_text())
+    run (the local venv, the image), so a worker imports them with no code download or image build.
+    The file is checked now (a bad one fails before anything is served, in one line naming it); its
+    parameters are kept as written: what it leaves out is filled in where the run executes, so no
+    path of the machine that deployed leaks into a cluster's runs."""
+    try:
+        config = RetrainFile.model_validate(yaml.safe_load(config_path.read_text()))
+    except ValidationError as error:
+        raise ValueError(f"{config_path}: {one_line(error)}") from None
     return [
         finetune.to_deployment(
-            name=config["name"],
-            schedule=Cron(config["cron"], timezone=config["timezone"]),
-            parameters=retrain_parameters(config),
+            name=config.name,
+            schedule=Cron(config.cron, timezone=config.timezone),
+            parameters={"params": config.parameters.model_dump(mode="json", exclude_unset=True)},
             tags=["training"],
-            description=f"Scheduled retraining ({config['cron']}, {config['timezone']}); parameters from {config_path.name}.",
+            description=f"Scheduled retraining ({config.cron}, {config.timezone}); parameters from {config_path.name}.",
             entrypoint_type=EntrypointType.MODULE_PATH,
         ),
         batch_infer.to_deployment(name="on-demand", tags=["inference"], entrypoint_type=EntrypointType.MODULE_PATH,

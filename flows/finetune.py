@@ -8,9 +8,10 @@ from pathlib import Path
 
 from prefect import flow
 from prefect.runtime import flow_run
+from pydantic import ValidationError
 
 from tasks import cluster
-from tasks.config import FinetuneParams
+from tasks.config import FinetuneParams, one_line
 from tasks.data import load_splits
 from tasks.evaluate import evaluate
 from tasks.infer import predict_files
@@ -73,9 +74,21 @@ def finetune(params: FinetuneParams = FinetuneParams()) -> dict:
             "promoted": promotion["promoted"]}
 
 
+def params_from(path: Path) -> FinetuneParams:
+    """FinetuneParams from a JSON file, or one line naming the file and what is wrong, exit code 2."""
+    try:
+        return FinetuneParams.model_validate_json(path.read_text())
+    except ValidationError as error:
+        problem = one_line(error)
+    except OSError as error:
+        problem = error.strerror
+    print(f"{path}: {problem}", file=sys.stderr)
+    sys.exit(2)
+
+
 if __name__ == "__main__":
     # `python -m flows.finetune [params.json]`: the embedded defaults, or FinetuneParams as JSON.
-    overrides = FinetuneParams.model_validate_json(Path(sys.argv[1]).read_text()) if len(sys.argv) > 1 else FinetuneParams()
+    overrides = params_from(Path(sys.argv[1])) if len(sys.argv) > 1 else FinetuneParams()
     summary = finetune(overrides)
     print(f"test accuracy: {summary['test_accuracy']:.4f}")
     print(f"run id:        {summary['run_id']}")

