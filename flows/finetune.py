@@ -12,7 +12,7 @@ from pydantic import ValidationError
 
 from tasks import cluster
 from tasks.config import FinetuneParams, one_line
-from tasks.data import load_splits
+from tasks.data import load_splits, unlabelled_files
 from tasks.evaluate import evaluate
 from tasks.infer import predict_files
 from tasks.manifest import write_manifest
@@ -32,11 +32,14 @@ def finetune(params: FinetuneParams = FinetuneParams()) -> dict:
     """Fine-tune a Hugging Face classifier and label a corpus with it."""
     store = RunStore(params.storage_root, params.run_id or new_run_id())
     splits = load_splits(params.data)  # bad input stops here, before Ray or storage are touched
+    inference = params.inference.model_copy(update={"input_uri": params.inference.input_uri or list(splits["test"].uris),
+                                                     "text_column": params.inference.text_column or params.data.text_column})
+    to_label = unlabelled_files(inference.input_uri, inference.text_column, inference.id_column)  # and the files to label
     key = tokenize_key(splits, load_tokenizer(params.model.name_or_path), params.model.max_length, params.storage_root)
     store.check()  # and outputs that would overwrite what ftflow did not write, or anything it reads
     refuse_overlap([store.base, key.target, champion_pointer(params.storage_root, params.promotion.model_name)],
                    [*params.inputs(), *(uri for split in splits.values() for uri in split.uris)])
-    read = {f"data.{name}": list(split.uris) for name, split in splits.items()}
+    read = {**{f"data.{name}": list(split.uris) for name, split in splits.items()}, "inference.input_uri": to_label}
     cluster.refuse_local_paths({"storage_root": [params.storage_root], **read}, params.storage_shared, params.ray_address)
 
     took = Stopwatch()
@@ -51,8 +54,6 @@ def finetune(params: FinetuneParams = FinetuneParams()) -> dict:
         promotion = promote(store.model_dir, metrics, splits["test"], params.promotion, params.storage_root, store.run_id,
                             params.ray_address)
     with took("batch inference"):
-        inference = params.inference.model_copy(update={"input_uri": params.inference.input_uri or list(splits["test"].uris),
-                                                         "text_column": params.inference.text_column or params.data.text_column})
         predictions = predict_files(store.model_dir, inference, store.predictions, params.ray_address)
 
     config = params.model_dump(mode="json")

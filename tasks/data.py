@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import io
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import PurePosixPath
 
@@ -56,13 +57,24 @@ class Piece:
     file_row: int = 0
 
 
+@contextmanager
+def reading(uri: str, fmt: str) -> Iterator[None]:
+    """The parsers' own errors (pyarrow's name no file), as one DataError naming the file."""
+    try:
+        yield
+    except DataError:
+        raise
+    except Exception as err:
+        raise DataError(f"{uri}: cannot be read as {fmt}: {err}") from err
+
+
 def cut(uri: str, fmt: str = "auto", piece_bytes: int | None = None) -> list[Piece]:
     """A file as pieces of about piece_bytes (PIECE_BYTES unless given; at least one piece)."""
     fmt, piece_bytes = file_format(uri, fmt), piece_bytes or PIECE_BYTES
     fs, path = storage.filesystem(uri)
     size = fs.size(path)
     if fmt == "parquet":
-        with fs.open(path, "rb") as f:
+        with fs.open(path, "rb") as f, reading(uri, fmt):
             meta = pq.ParquetFile(f).metadata
         pieces, start, taken = [], 0, 0
         for group in range(meta.num_row_groups):
@@ -116,6 +128,30 @@ def iter_frames(uri: str, fmt: str = "auto", chunk_rows: int = 50_000, piece: Pi
         else:
             sep = "\t" if fmt == "tsv" else ","
             yield from pd.read_csv(f, sep=sep, dtype=str, keep_default_na=False, chunksize=chunk_rows)
+
+
+def columns_of(uri: str, fmt: str = "auto") -> list[str] | None:
+    """A file's columns, from its Parquet footer or its first row (None: no rows): enough to refuse
+    a file without the configured columns before any cluster work, without reading the corpus."""
+    fmt = file_format(uri, fmt)
+    with reading(uri, fmt):
+        if fmt == "parquet":
+            fs, path = storage.filesystem(uri)
+            with fs.open(path, "rb") as f:
+                return pq.ParquetFile(f).schema_arrow.names
+        first = next(iter_frames(uri, fmt, chunk_rows=1), None)
+        return None if first is None else list(first.columns)
+
+
+def unlabelled_files(uris: str | list[str], text_column: str, id_column: str | None) -> list[str]:
+    """Files to label: each found, read as its format, holding the text (and id) column."""
+    files = expand_inputs(uris)
+    for uri in files:
+        columns = columns_of(uri)
+        missing = [column for column in (text_column, id_column) if column and columns is not None and column not in columns]
+        if missing:
+            raise DataError(f"{uri}: column '{missing[0]}' not found; columns are {columns}")
+    return files
 
 
 def rows_per_byte(uri: str, fmt: str = "auto", sample_bytes: int = 1 << 20) -> float:
@@ -238,15 +274,11 @@ def labelled_frames(uri: str, schema: Schema, chunk_rows: int = CHUNK_ROWS, piec
     """A file's rows (or a piece's), checked, as frames of (text, label id) indexed by the row
     number in the file."""
     seen = piece.file_row if piece else 0
-    try:
+    with reading(uri, file_format(uri, schema.format)):
         for frame in iter_frames(uri, schema.format, chunk_rows, piece):
             frame.index = pd.RangeIndex(seen, seen + len(frame))  # Parquet batches each start at 0
             seen += len(frame)
             yield _checked(uri, frame, schema)
-    except DataError:
-        raise
-    except Exception as err:  # the parsers' own errors, reported against the file
-        raise DataError(f"{uri}: cannot be read as {file_format(uri, schema.format)}: {err}") from err
 
 
 def combined_sha256(uris: Sequence[str]) -> str:

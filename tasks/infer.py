@@ -19,7 +19,7 @@ from ray.data.datasource import FilenameProvider
 
 from tasks import cluster, jobs, storage
 from tasks.config import InferenceConfig
-from tasks.data import DataError, expand_inputs, iter_frames, rows_per_byte
+from tasks.data import DataError, file_format, iter_frames, reading, rows_per_byte, unlabelled_files
 from tasks.predictor import Predictor
 
 PROGRESS_EVERY_S = 10.0
@@ -54,12 +54,13 @@ def read_rows(text_column: str, id_column: str | None, base: str, window_rows: i
         for uri, size in zip(batch["uri"], batch["size"]):
             name = os.path.relpath(uri, base) if base else Path(uri).name
             seen = 0
-            for frame in iter_frames(uri, chunk_rows=window_rows):
-                if text_column not in frame.columns or (id_column and id_column not in frame.columns):
-                    raise DataError(f"{uri}: column '{text_column if text_column not in frame.columns else id_column}' not found")
-                ids = frame[id_column].astype(str) if id_column else [f"{name}:{seen + i}" for i in range(len(frame))]
-                yield pd.DataFrame({"id": ids, "text": frame[text_column].astype(str)})
-                seen += len(frame)
+            with reading(uri, file_format(uri)):  # a file may be corrupt past what was checked
+                for frame in iter_frames(uri, chunk_rows=window_rows):
+                    if text_column not in frame.columns or (id_column and id_column not in frame.columns):
+                        raise DataError(f"{uri}: column '{text_column if text_column not in frame.columns else id_column}' not found")
+                    ids = frame[id_column].astype(str) if id_column else [f"{name}:{seen + i}" for i in range(len(frame))]
+                    yield pd.DataFrame({"id": ids, "text": frame[text_column].astype(str)})
+                    seen += len(frame)
             progress.read.remote(seen, size)
 
     return read
@@ -80,11 +81,11 @@ def predict_files(model_uri: str, cfg: InferenceConfig, output_uri: str, ray_add
 
 
 def checked_inputs(model_uri: str, cfg: InferenceConfig, output_uri: str) -> list[str]:
-    """The input files; refused: none, an output among the inputs or the model, an output folder
-    holding files ftflow did not write."""
+    """The input files; refused: none, one that cannot be read or lacks the text or id column, an
+    output among the inputs or the model, an output folder holding files ftflow did not write."""
     if cfg.input_uri is None:
         raise ValueError("input_uri: no files to label")
-    files = expand_inputs(cfg.input_uri)
+    files = unlabelled_files(cfg.input_uri, cfg.text_column or "text", cfg.id_column)
     storage.refuse_overlap([output_uri], [model_uri, *([cfg.input_uri] if isinstance(cfg.input_uri, str) else cfg.input_uri), *files])
     storage.OutputFolder(output_uri).check()
     return files

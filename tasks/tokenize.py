@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
+from pathlib import Path
 
 import ray
 from prefect import get_run_logger, task
@@ -50,9 +52,21 @@ class TokenizeKey(BaseModel):
 
 
 def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
-    tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+    """The model's fast tokenizer, or what is wrong with the model in one line: transformers' own
+    words for a folder that is not there are "Repo id must be in the form 'repo_name' or ..."."""
+    folder = Path(name_or_path).expanduser()
+    if folder.is_dir() and not (folder / "config.json").exists():
+        raise ValueError(f"model.name_or_path {name_or_path}: a folder without config.json, not a saved Hugging Face model")
+    if not folder.is_dir() and (folder.is_absolute() or name_or_path.startswith((".", "~")) or name_or_path.count("/") > 1):
+        raise ValueError(f"model.name_or_path {name_or_path}: no such folder")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+    except (OSError, ValueError) as error:  # a hub id that is not in the local cache, or not on the hub
+        offline = " (HF_HUB_OFFLINE is set: nothing is downloaded)" if os.environ.get("HF_HUB_OFFLINE") in ("1", "true") else ""
+        raise ValueError(f"model.name_or_path {name_or_path}: not a folder here, and the Hugging Face hub does not resolve it"
+                         f"{offline}: {str(error).splitlines()[0]}") from None
     if not tokenizer.is_fast:
-        raise ValueError(f"{name_or_path}: ftflow needs a fast (Rust) tokenizer")
+        raise ValueError(f"model.name_or_path {name_or_path}: ftflow needs a fast (Rust) tokenizer, tokenizer.json")
     return tokenizer
 
 

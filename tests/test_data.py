@@ -8,7 +8,7 @@ import pytest
 from conftest import BUCKET, write_jsonl
 from tasks import data, storage
 from tasks.config import DataConfig
-from tasks.data import CHUNK_ROWS, DataError, Split, labelled_frames, load_split, load_splits
+from tasks.data import CHUNK_ROWS, DataError, Split, labelled_frames, load_split, load_splits, unlabelled_files
 
 ROWS = [{"text": "a fine film", "label": 1}, {"text": "a dull film", "label": 0}, {"text": "great", "label": 1}]
 
@@ -156,3 +156,27 @@ def test_an_empty_split_of_several_files_names_them(tmp_path):
         (tmp_path / name).write_text("")
     with pytest.raises(DataError, match=f"{tmp_path / 'a.jsonl'}, {tmp_path / 'b.jsonl'}: the train split is empty"):
         load_split("train", [str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")], DataConfig())
+
+
+CORRUPT = {"jsonl": b'{"text": "cut short\n', "csv": b'text,label\n"unclosed,1\n', "tsv": b'text\tlabel\n"unclosed\t1\n',
+           "parquet": b"PAR1 not parquet at all"}
+
+
+@pytest.mark.parametrize("fmt", CORRUPT)
+def test_a_corrupt_file_of_any_format_is_refused_naming_it(tmp_path, fmt):
+    """As a labelled split and as files to label: one line naming the file, not the parser's alone."""
+    path = tmp_path / f"reviews.{fmt}"
+    path.write_bytes(CORRUPT[fmt])
+    with pytest.raises(DataError, match=f"^{path}: cannot be read as {fmt}: "):
+        load_split("train", str(path), DataConfig())
+    with pytest.raises(DataError, match=f"^{path}: cannot be read as {fmt}: "):
+        unlabelled_files(str(path), "text", None)
+
+
+def test_files_to_label_without_the_text_or_id_column_are_refused(tmp_path):
+    path = write_jsonl(tmp_path / "corpus" / "reviews.jsonl", [{"body": "no text column", "doc": "d1"}])
+    with pytest.raises(DataError, match=f"^{path}: column 'text' not found; columns are \\['body', 'doc'\\]"):
+        unlabelled_files(str(tmp_path / "corpus"), "text", None)
+    with pytest.raises(DataError, match=f"^{path}: column 'id' not found"):
+        unlabelled_files(str(tmp_path / "corpus"), "body", "id")
+    assert unlabelled_files(str(tmp_path / "corpus"), "body", "doc") == [str(path)]

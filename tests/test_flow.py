@@ -117,9 +117,13 @@ def test_finetune_on_s3(ray_cluster, tiny_model, small_data):
             assert S3_SECRET.encode() not in fs.cat_file(key), f"credential written into {key}"
 
 
-def test_bad_input_stops_the_flow_before_anything_is_written(tiny_model, small_data, tmp_path):
+@pytest.mark.parametrize("where", ["validation split", "files to label"])
+def test_bad_input_stops_the_flow_before_anything_is_written(tiny_model, small_data, tmp_path, where):
     bad = write_jsonl(tmp_path / "bad.jsonl", [{"review": "no text column", "label": 1}])
-    bad_params = params(tiny_model, {**small_data, "validation": bad}, str(tmp_path / "store"))
+    bad_params = params(tiny_model, {**small_data, "validation": bad} if where == "validation split" else small_data,
+                        str(tmp_path / "store"))
+    if where == "files to label":
+        bad_params.inference.input_uri = str(bad)
     with pytest.raises(DataError, match=f"{bad}: column 'text' not found"):
         finetune(bad_params)
     assert not (tmp_path / "store").exists()

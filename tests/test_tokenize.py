@@ -101,3 +101,15 @@ def test_an_interrupted_attempt_is_replaced_and_complete_shards_reused(ray_clust
 
     assert tokenize_without_the_cache_entry() == again.result()
     assert {f: (Path(key.target) / f).stat().st_mtime_ns for f in storage.OutputFolder(key.target).files() - {MARKER}} == stamps
+
+
+@pytest.mark.parametrize("given, message", [
+    ("{tmp}/nowhere", "model.name_or_path {tmp}/nowhere: no such folder"),
+    ("{tmp}", "model.name_or_path {tmp}: a folder without config.json, not a saved Hugging Face model"),
+    ("ftflow-test/not-a-model", "model.name_or_path ftflow-test/not-a-model: not a folder here, and the Hugging Face hub does "
+                                "not resolve it (HF_HUB_OFFLINE is set: nothing is downloaded): "),
+])
+def test_a_model_that_is_not_there_is_said_plainly(tmp_path, given, message):
+    with pytest.raises(ValueError) as refused:
+        load_tokenizer(given.format(tmp=tmp_path))
+    assert str(refused.value).startswith(message.format(tmp=tmp_path))
