@@ -18,7 +18,7 @@ from tasks.infer import predict_files
 from tasks.manifest import write_manifest
 from tasks.registry import champion_pointer, promote
 from tasks.report import Stopwatch, publish_report
-from tasks.storage import RunStore, refuse_overlap
+from tasks.storage import RunStore, check_writable, refuse_overlap
 from tasks.tokenize import load_tokenizer, tokenize, tokenize_key
 from tasks.train import train
 
@@ -36,6 +36,7 @@ def finetune(params: FinetuneParams = FinetuneParams()) -> dict:
                                                      "text_column": params.inference.text_column or params.data.text_column})
     to_label = unlabelled_files(inference.input_uri, inference.text_column, inference.id_column)  # and the files to label
     key = tokenize_key(splits, load_tokenizer(params.model.name_or_path), params.model.max_length, params.storage_root)
+    check_writable(params.storage_root, "storage_root")
     store.check()  # and outputs that would overwrite what ftflow did not write, or anything it reads
     refuse_overlap([store.base, key.target, champion_pointer(params.storage_root, params.promotion.model_name)],
                    [*params.inputs(), *(uri for split in splits.values() for uri in split.uris)])

@@ -87,6 +87,7 @@ def checked_inputs(model_uri: str, cfg: InferenceConfig, output_uri: str) -> lis
         raise ValueError("input_uri: no files to label")
     files = unlabelled_files(cfg.input_uri, cfg.text_column or "text", cfg.id_column)
     storage.refuse_overlap([output_uri], [model_uri, *([cfg.input_uri] if isinstance(cfg.input_uri, str) else cfg.input_uri), *files])
+    storage.check_writable(output_uri, "output_uri")
     storage.OutputFolder(output_uri).check()
     return files
 

@@ -58,6 +58,29 @@ def exists(uri: str) -> bool:
     return fs.exists(path)
 
 
+def check_writable(uri: str, what: str) -> None:
+    """Refuse, before any work, a place ftflow cannot write: a bucket that does not exist (s3fs
+    creates one on the first write), or that this machine's credentials cannot write to. The probe is
+    an empty object of ftflow's own, removed at once."""
+    if not is_remote(uri):
+        existing = Path(normalize(uri))
+        while not existing.exists():
+            existing = existing.parent
+        if not os.access(existing, os.W_OK):
+            raise ValueError(f"{what} {uri}: {existing} is not writable")
+        return
+    fs, path = filesystem(uri)
+    bucket = path.split("/")[0]
+    if not fs.exists(bucket):
+        raise ValueError(f"{what} {uri}: bucket '{bucket}' does not exist; ftflow creates no buckets: create it or fix the name")
+    probe = f"{path.rstrip('/')}/.ftflow-probe-{uuid.uuid4().hex}"
+    try:
+        fs.pipe_file(probe, b"")
+        fs.rm_file(probe)
+    except OSError as error:
+        raise ValueError(f"{what} {uri}: not writable with this machine's credentials: {error}") from None
+
+
 def write_bytes(uri: str, data: bytes) -> None:
     """Write a file that readers see whole, old or new, never in part (a run's markers and manifest
     say it is complete, so a crash must not leave half of one): a local file is written aside and

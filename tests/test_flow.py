@@ -136,3 +136,11 @@ def test_a_typo_in_a_parameter_file_is_refused_in_one_line(tmp_path):
     run = subprocess.run([sys.executable, "-m", "flows.finetune", str(typo)], cwd=Path(__file__).parents[1],
                          capture_output=True, text=True, timeout=120)
     assert (run.returncode, run.stdout, run.stderr) == (2, "", f"{typo}: train: unknown parameter 'epoch': did you mean 'epochs'?\n")
+
+
+def test_a_storage_root_in_a_bucket_that_does_not_exist_is_refused_not_created(tiny_model, small_data, s3_endpoint):
+    import boto3
+
+    with pytest.raises(ValueError, match="^storage_root s3://no-such-bucket/ftflow: bucket 'no-such-bucket' does not exist"):
+        finetune(params(tiny_model, small_data, "s3://no-such-bucket/ftflow"))
+    assert "no-such-bucket" not in [bucket["Name"] for bucket in boto3.client("s3").list_buckets()["Buckets"]]
