@@ -31,8 +31,10 @@ BIN = Path(sys.executable).parent
 
 def start_ray_head(port: int, env: dict[str, str], *args: str, dashboard: int | None = None) -> subprocess.Popen:
     """`ray start --block`: the head's processes end with it, leaving any other Ray alone. With a
-    dashboard port, its Job API listens there (on loopback)."""
-    api = ["--dashboard-host", "127.0.0.1", "--dashboard-port", str(dashboard)] if dashboard else ["--include-dashboard", "false"]
+    dashboard port, its Job API listens there (on loopback); the Job API needs the head's dashboard
+    agent, whose default port the suite's own local Ray already holds."""
+    api = (["--dashboard-host", "127.0.0.1", "--dashboard-port", str(dashboard), "--dashboard-agent-listen-port", str(free_port())]
+           if dashboard else ["--include-dashboard", "false"])
     head = subprocess.Popen(
         [str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address", "127.0.0.1",
          "--port", str(port), *api, "--disable-usage-stats", *(args or ["--num-cpus", "2"])],
