@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import sys
-from datetime import datetime, timezone
 from pathlib import Path
 
 from prefect import flow
-from prefect.runtime import flow_run
+from prefect.context import FlowRunContext
 from pydantic import ValidationError
 
 from tasks import cluster
@@ -24,7 +23,11 @@ from tasks.train import train
 
 
 def new_run_id() -> str:
-    return f"{datetime.now(timezone.utc):%Y%m%d-%H%M%S}-{str(flow_run.get_id() or 'local')[:8]}"
+    """The flow run's own: when it was created and its id. A retry of the flow run (the UI's Retry, a
+    deployment's `retries`, a crashed run re-submitted) continues in the same run folder, and its
+    training resumes from the last checkpoint instead of step 0."""
+    run = FlowRunContext.get().flow_run
+    return f"{run.created:%Y%m%d-%H%M%S}-{str(run.id)[:8]}"
 
 
 @flow(name="finetune")

@@ -45,6 +45,11 @@ class TokenizeKey(BaseModel):
     def target(self) -> str:
         return storage.join(self.root, "tokenized", self.digest)
 
+    @property
+    def uris(self) -> dict[str, str]:
+        """Each split's shards."""
+        return {name: storage.join(self.target, name) for name in SPLITS}
+
     def shards_exist(self) -> bool:
         """False when the shards a cached result points to are gone or were never completed (an
         interrupted run leaves shards without the marker): then tokenize again."""
@@ -116,17 +121,13 @@ def tokenize(
 ) -> dict[str, str]:
     """Write each split's token ids as Parquet under <root>/tokenized/<key>/; return their URIs."""
     if key.shards_exist():  # complete shards of this content, from a run whose cache entry is not here: reuse them
-        return shard_uris(key)  # (tokenizing again would first remove shards another run may be training on)
+        return key.uris  # (tokenizing again would first remove shards another run may be training on)
     return jobs.run(tokenized_shards, ray_address, get_run_logger(), key=key, splits=splits, model_name_or_path=model_name_or_path)
-
-
-def shard_uris(key: TokenizeKey) -> dict[str, str]:
-    return {name: storage.join(key.target, name) for name in SPLITS}
 
 
 def tokenized_shards(key: TokenizeKey, splits: dict[str, Split], model_name_or_path: str) -> dict[str, str]:
     """The stage's Ray work (tasks/jobs.py runs it where the cluster is): the shards, then the marker."""
-    uris = shard_uris(key)
+    uris = key.uris
     output = storage.OutputFolder(key.target)
     output.check()
     job = output.start()  # leftovers of an interrupted attempt must not mix with this one

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -15,6 +16,7 @@ from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRun
 from transformers import AutoModelForSequenceClassification
 
 from conftest import BUCKET, S3_SECRET, write_jsonl
+from test_train import kill_a_worker_once_a_checkpoint_is_committed
 from flows.finetune import finetune
 from tasks import storage
 from tasks.config import DataConfig, FinetuneParams, ModelConfig, TrainConfig
@@ -144,3 +146,25 @@ def test_a_storage_root_in_a_bucket_that_does_not_exist_is_refused_not_created(t
     with pytest.raises(ValueError, match="^storage_root s3://no-such-bucket/ftflow: bucket 'no-such-bucket' does not exist"):
         finetune(params(tiny_model, small_data, "s3://no-such-bucket/ftflow"))
     assert "no-such-bucket" not in [bucket["Name"] for bucket in boto3.client("s3").list_buckets()["Buckets"]]
+
+
+def test_a_flow_run_that_fails_mid_training_is_retried_and_resumes_in_the_same_run(ray_cluster, tiny_model, small_data, tmp_path):
+    """A worker killed with no restarts left fails the flow run; Prefect retries it (as a deployment's
+    `retries` or the UI's Retry do), and the retry continues the same run folder from the last
+    checkpoint: one run, one manifest, every step of the curve once."""
+    run_params = params(tiny_model, small_data, str(tmp_path / "store"))
+    run_params.train = run_params.train.model_copy(update={"num_workers": 2, "checkpoint_every_steps": 10, "max_failures": 0})
+    killed, stop = [], threading.Event()
+    killer = threading.Thread(target=kill_a_worker_once_a_checkpoint_is_committed, args=(tmp_path / "store" / "runs", killed, stop, "*"))
+    killer.start()
+    try:
+        state = finetune.with_options(retries=1)(run_params, return_state=True)
+    finally:
+        stop.set()
+        killer.join()
+    assert killed and state.is_completed()
+    with get_client(sync_client=True) as client:
+        assert client.read_flow_run(state.state_details.flow_run_id).run_count == 2, "the flow run failed once, then was retried"
+    [run_dir] = (tmp_path / "store" / "runs").iterdir()
+    manifest = check_run(str(run_dir), state.result(), small_data)
+    assert manifest["metrics"]["training"]["history"][-1]["resumed_from_step"] > 0, "the retry trained from step 0"

@@ -99,12 +99,13 @@ def test_exported_model_predicts_like_the_engine_at_end_of_training(strategy, to
     assert AutoModelForSequenceClassification.from_pretrained(model_dir).config.id2label == dict(enumerate(LABELS))
 
 
-def kill_a_worker_once_a_checkpoint_is_committed(ray_dir: Path, killed: list[int], stop: threading.Event) -> None:
-    """Kill one training worker once Ray Train's snapshot lists a checkpoint: a folder that is still
-    uploading, or not yet registered by the controller, is not a checkpoint to resume from."""
-    snapshot = ray_dir / "checkpoint_manager_snapshot.json"
+def kill_a_worker_once_a_checkpoint_is_committed(run_dir: Path, killed: list[int], stop: threading.Event, run: str = ".") -> None:
+    """Kill one training worker once Ray Train's snapshot (of the run folder `run`, a glob, under
+    run_dir) lists a checkpoint: a folder that is still uploading, or not yet registered by the
+    controller, is not a checkpoint to resume from."""
     while not stop.is_set():
-        if snapshot.exists() and "checkpoint_dir_name" in snapshot.read_text():
+        snapshot = next(run_dir.glob(f"{run}/train/ray/checkpoint_manager_snapshot.json"), None)
+        if snapshot and "checkpoint_dir_name" in snapshot.read_text():
             workers = [p for p in psutil.process_iter(["cmdline"]) if "RayTrainWorker" in " ".join(p.info["cmdline"] or [])]
             if workers:
                 workers[-1].kill()
@@ -118,7 +119,7 @@ def test_killed_worker_resumes_from_the_last_checkpoint(tokenized, tiny_model):
     run_dir = Path(root) / "runs" / "killed"
     cfg = TrainConfig(epochs=3, batch_size=16, learning_rate=2e-3, num_workers=2, checkpoint_every_steps=10, max_failures=1)
     killed, stop = [], threading.Event()
-    killer = threading.Thread(target=kill_a_worker_once_a_checkpoint_is_committed, args=(run_dir / "train" / "ray", killed, stop))
+    killer = threading.Thread(target=kill_a_worker_once_a_checkpoint_is_committed, args=(run_dir, killed, stop))
     killer.start()
     try:
         trained = fit(uris, tiny_model, cfg, run_dir)
