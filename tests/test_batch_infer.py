@@ -49,7 +49,10 @@ def test_every_row_of_every_file_gets_one_prediction(ray_cluster, tiny_model, co
     assert out.pop("seconds") > 0 and out.pop("rows_per_s") > 0 and out.pop("window_rows") >= 64 and out.pop("actors") >= 1
     assert out == {"output_uri": str(tmp_path / "predictions"), "rows": 600, "files": 3}
     messages, artifacts = prefect_records(state.state_details.flow_run_id)
-    assert any(re.fullmatch(r"labelled [\d,]+ / (600 rows|~[\d,]+ rows \(\d/3 files read\)), \d+ rows/s", m) for m in messages)
+    # Progress while it runs: under load the actors may still be loading when it is logged, so the
+    # count may be 0 and the total not yet known ('?'); the final line is asserted below.
+    progress = r"labelled [\d,]+ / (600 rows|(~[\d,]+|\?) rows \(\d/3 files read\)), \d+ rows/s"
+    assert any(re.fullmatch(progress, m) for m in messages)
     assert any(m.startswith("labelled 600 rows from 3 file(s)") for m in messages)
     assert "batch-inference-throughput" in artifacts
     report = artifacts["batch-inference-report"]

@@ -107,9 +107,10 @@ def test_a_failed_jobs_remains_are_replaced_by_the_next_one(ray_cluster, tiny_mo
     ftflow's on the record, so the next job removes them and nothing else."""
     user = Place(str(tmp_path))
     user.write("corpus/a.jsonl", b"".join(b'{"text": "film %d was good"}\n' % i for i in range(300)))
-    user.write("corpus/z.jsonl", b'{"review": "a file without the text column"}\n')
+    # Its first line passes the check before the job; the job fails on the line after, mid-write.
+    user.write("corpus/z.jsonl", b'{"text": "a fine film"}\n{"text": "cut off\n')
     out = Place(user.uri("labels"))
-    with pytest.raises(Exception, match="column 'text' not found"):
+    with pytest.raises(Exception, match="z.jsonl: cannot be read as jsonl"):
         batch_infer(str(tiny_model), user.uri("corpus"), out.uri())
     assert CLAIM in {name.rsplit("/", 1)[-1] for name in out.snapshot()} and not storage.exists(out.uri(MARKER))
 
