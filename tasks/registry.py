@@ -7,6 +7,10 @@ again on the split this run evaluated, so a changed split favours neither. It is
 its metric is at least the champion's plus the margin, by replacing the pointer in one write
 (readers see the old champion or the new one, never a mix). A model that loses leaves the pointer
 untouched, and the decision says why.
+
+The write is a compare-and-swap against the pointer as it was read (storage.swap_json): of two runs
+that compared with the same champion at once, exactly one replaces it; the other is not promoted and
+says which run's model became champion meanwhile (its next run compares with that one).
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ def promote(model_uri: str, metrics: dict, test: Split, cfg: PromotionConfig, ro
             ray_address: str | None = None) -> dict:
     """Make model_uri the champion of cfg.model_name if it is at least as good; the decision, with why."""
     pointer = champion_pointer(root, cfg.model_name)
-    current = storage.read_json(pointer) if storage.exists(pointer) else None
+    current, version = storage.read_versioned_json(pointer)
     challenger = metrics[cfg.metric]
     if current is None:
         champion, promoted, why = None, True, "no champion yet"
@@ -55,13 +59,17 @@ def promote(model_uri: str, metrics: dict, test: Split, cfg: PromotionConfig, ro
         promoted = challenger >= champion + cfg.margin
         why = (f"{cfg.metric} {challenger:.4f} {'>=' if promoted else '<'} the champion's {champion:.4f} "
                f"+ margin {cfg.margin:g}, on the same test split")
-    if promoted:
-        storage.write_json(pointer, {"model_uri": model_uri, "run_id": run_id, "metric": cfg.metric, "value": challenger,
-                                       "test_sha256": test.sha256, "promoted_at": datetime.now(timezone.utc).isoformat()})
+    record = {"model_uri": model_uri, "run_id": run_id, "metric": cfg.metric, "value": challenger, "test_sha256": test.sha256,
+              "promoted_at": datetime.now(timezone.utc).isoformat()}
+    verdict = f"promoted to champion of `{cfg.model_name}`" if promoted else f"not promoted: `{cfg.model_name}`'s champion stays"
+    if promoted and not storage.swap_json(pointer, version, record):
+        winner = storage.read_json(pointer)
+        promoted, verdict = False, f"not promoted: another run's model became `{cfg.model_name}`'s champion first"
+        why = (f"{why}, but while this run compared, run {winner['run_id']} made {winner['model_uri']} the champion "
+               f"({winner['metric']} {winner['value']:.4f}); the next run compares with it")
     decision = {"promoted": promoted, "reason": why, "model_name": cfg.model_name, "metric": cfg.metric,
                 "challenger": challenger, "champion": champion, "previous_champion_uri": current and current["model_uri"],
                 "pointer": pointer}
-    verdict = f"promoted to champion of `{cfg.model_name}`" if promoted else f"not promoted: `{cfg.model_name}`'s champion stays"
     get_run_logger().info("%s (%s)", verdict.replace("`", ""), why)
     create_markdown_artifact(key="promotion", markdown=f"### {model_uri}\n\n{verdict} ({why}).\n\nPointer: `{pointer}`\n",
                              description="The promotion gate's decision")

@@ -7,7 +7,7 @@
     <root>/runs/<run_id>/predictions/*.parquet, _SUCCESS.json written last: no marker, no result
     <root>/runs/<run_id>/report/report.md, *.png       the run report and its plots
     <root>/runs/<run_id>/manifest.json                 written last: no manifest, no result
-    <root>/models/<name>/champion                      the promoted model's URI, replaced in one write
+    <root>/models/<name>/champion                      the promoted model's URI, swapped in one conditional write
 
 Data safety: ftflow deletes only files an earlier ftflow job wrote and recorded (OutputFolder),
 never a folder's content; refuses an output folder that holds files it did not write, an output
@@ -19,6 +19,7 @@ as boto reads them; they are never copied into a path, a log line or an artifact
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -99,6 +100,50 @@ def write_bytes(uri: str, data: bytes) -> None:
 def write_json(uri: str, payload: Any) -> None:
     """Indented, keys sorted, anything else as its str(); whole or not at all (write_bytes)."""
     write_bytes(uri, json.dumps(payload, indent=2, sort_keys=True, default=str).encode())
+
+
+def read_versioned_json(uri: str) -> tuple[Any | None, str | None]:
+    """(content, version) of a small JSON object, or (None, None) where there is none. The version
+    is what swap_json compares: the object's ETag on S3 (s3fs reads with If-Match that ETag, so content
+    and version agree), the content's sha256 locally."""
+    fs, path = filesystem(uri)
+    fs.invalidate_cache(path)
+    try:
+        with fs.open(path, "rb") as f:
+            data = f.read()
+            version = f.details["ETag"] if is_remote(uri) else hashlib.sha256(data).hexdigest()
+    except FileNotFoundError:
+        return None, None
+    return json.loads(data), version
+
+
+def swap_json(uri: str, version: str | None, payload: Any) -> bool:
+    """Compare-and-swap: write payload only if the object is still at `version` (None: still absent);
+    False, with nothing written, when another writer got there first. On S3 the store decides, in one
+    conditional PUT (If-Match / If-None-Match, which AWS S3, MinIO and moto honour); locally an
+    exclusive flock on a lock file of ftflow's own beside it serialises compare and write, on one
+    machine (or NFS with working locks)."""
+    data = json.dumps(payload, indent=2, sort_keys=True, default=str).encode()
+    fs, path = filesystem(uri)
+    if is_remote(uri):
+        condition = {"IfMatch": version} if version else {"mode": "create"}
+        try:
+            fs.pipe_file(path, data, **condition)
+        except FileExistsError:
+            return False
+        except OSError as error:  # s3fs makes an If-Match miss (HTTP 412) an OSError; its cause names it
+            if "PreconditionFailed" in str(error.__cause__):
+                return False
+            raise
+        return True
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.with_name(f".{target.name}.lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if read_versioned_json(uri)[1] != version:
+            return False
+        write_bytes(uri, data)
+        return True
 
 
 def read_json(uri: str) -> Any:

@@ -3,14 +3,21 @@ champion untouched and says so, and batch inference takes `models/<name>@champio
 
 from __future__ import annotations
 
+import functools
+import threading
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
 import pyarrow.parquet as pq
 import pytest
 
 from flows.batch_infer import batch_infer
 from flows.finetune import finetune
-from tasks import storage
-from tasks.config import PromotionConfig
-from tasks.registry import champion_pointer, resolve
+from conftest import BUCKET
+from tasks import registry, storage
+from tasks.config import DataConfig, PromotionConfig
+from tasks.data import load_splits
+from tasks.registry import champion_pointer, promote, resolve
 from tasks.storage import MARKER
 from test_flow import params
 
@@ -43,3 +50,30 @@ def test_an_unknown_champion_is_refused_with_where_it_was_looked_for(tmp_path):
     with pytest.raises(ValueError, match=f"models/nobody@champion: no champion at {tmp_path}/models/nobody/champion"):
         resolve("models/nobody@champion", str(tmp_path))
     assert resolve(str(tmp_path / "a-model"), str(tmp_path)) == str(tmp_path / "a-model")
+
+
+@pytest.mark.parametrize("store", ["local", "s3"])
+def test_two_promotions_racing_from_the_same_champion_exactly_one_wins(store, ray_cluster, tiny_model, small_data, tmp_path,
+                                                                        monkeypatch):
+    root = str(tmp_path / "store") if store == "local" else f"s3://{BUCKET}/race-{uuid.uuid4().hex[:8]}"
+    test = load_splits(DataConfig(train_uri=str(small_data["train"]), validation_uri=str(small_data["validation"]),
+                                  test_uri=str(small_data["test"])))["test"]
+    cfg = PromotionConfig(model_name="rt")
+    assert promote(str(tiny_model), {"accuracy": 0.5}, test, cfg, root, "first")["promoted"]
+    # Both challengers have read the champion before either scores it: both compare with the same,
+    # soon stale, champion, and both would beat it.
+    both_read = threading.Barrier(2)
+    monkeypatch.setattr(registry, "score", functools.wraps(registry.score)(
+        lambda **kwargs: both_read.wait(60) is not None and registry.score.__wrapped__(**kwargs)))
+    with ThreadPoolExecutor(2) as pool:
+        decisions = dict(zip(["a", "b"], pool.map(lambda run: promote(f"{root}/runs/{run}/model", {"accuracy": 1.0}, test,
+                                                                      cfg, root, run), ["a", "b"])))
+
+    winners = [run for run, decision in decisions.items() if decision["promoted"]]
+    assert len(winners) == 1, decisions
+    champion = storage.read_json(champion_pointer(root, "rt"))
+    assert champion["run_id"] == winners[0] and champion["model_uri"] == f"{root}/runs/{winners[0]}/model"
+    loser = decisions[{"a": "b", "b": "a"}[winners[0]]]
+    assert loser["previous_champion_uri"] == str(tiny_model) and loser["champion"] == decisions[winners[0]]["champion"]
+    assert loser["reason"].endswith(f"but while this run compared, run {winners[0]} made {champion['model_uri']} the "
+                                    f"champion (accuracy 1.0000); the next run compares with it")
