@@ -6,9 +6,8 @@ registered with a work pool for a cluster (deployments/deploy.py).
 
 Training runs hold a Ray cluster's CPUs or GPUs for a long time, so the `train` task carries the
 tag tasks.train.TRAINING_TAG and a Prefect concurrency limit of 1 on that tag (limit_concurrency)
-queues a second training run until the first one's training is done. Likewise one `tokenize` task
-at a time (tasks.tokenize.TOKENIZE_TAG): two runs of the same data would otherwise write the same
-content-addressed shards at once; the second one finds them complete and reuses them.
+queues a second training run until the first one's training is done. (Tokenization needs no limit
+here: tasks.tokenize holds one per shard set itself, in every run, deployed or not.)
 """
 
 from __future__ import annotations
@@ -24,7 +23,6 @@ from prefect.schedules import Cron
 from flows.batch_infer import batch_infer
 from flows.finetune import finetune
 from tasks.config import FinetuneParams, Strict, one_line
-from tasks.tokenize import TOKENIZE_TAG
 from tasks.train import TRAINING_TAG
 
 RETRAIN_CONFIG = Path(__file__).with_name("retrain.yaml")
@@ -64,7 +62,6 @@ def deployments(config_path: Path = RETRAIN_CONFIG) -> list[RunnerDeployment]:
 
 
 def limit_concurrency() -> None:
-    """One training and one tokenize task at a time on the server's runs (creating a limit again updates it)."""
+    """One training task at a time on the server's runs (creating the limit again updates it)."""
     with get_client(sync_client=True) as client:
-        for tag in (TRAINING_TAG, TOKENIZE_TAG):
-            client.create_concurrency_limit(tag=tag, concurrency_limit=1)
+        client.create_concurrency_limit(tag=TRAINING_TAG, concurrency_limit=1)

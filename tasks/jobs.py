@@ -23,6 +23,7 @@ import json
 import logging
 import shlex
 import sys
+import threading
 import traceback
 import uuid
 from collections.abc import Callable, Iterator
@@ -39,6 +40,10 @@ log = logging.getLogger("ftflow")
 JOB_LINE = "ftflow {level} {message}"
 RESULT, ERROR = "ftflow-result: ", "ftflow-error: "
 Stage = TypeVar("Stage")
+# Stages run in this process take turns. Flows side by side in one process (threads) share one Ray
+# driver, and on a small cluster one run's inference actors and another's training workers each got
+# part of the CPUs they needed and neither all: both waited forever (two runs on a 3-CPU local Ray).
+IN_PROCESS = threading.RLock()
 
 
 def run(stage: Callable[..., Stage], address: str | None, logger: logging.Logger | logging.LoggerAdapter,
@@ -47,8 +52,8 @@ def run(stage: Callable[..., Stage], address: str | None, logger: logging.Logger
     log lines to `logger`."""
     if api := cluster.jobs_api(address):
         return submitted(stage, api, logger, arguments)
-    cluster.connect(address)
-    with forwarded(logger):
+    with IN_PROCESS, forwarded(logger):
+        cluster.connect(address)
         return stage(**arguments)
 
 

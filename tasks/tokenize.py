@@ -13,11 +13,15 @@ import dataclasses
 import hashlib
 import json
 import os
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import ray
-from prefect import get_run_logger, task
+from prefect import get_client, get_run_logger, task
 from prefect.cache_policies import INPUTS
+from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+from prefect.concurrency.sync import concurrency
+from prefect.exceptions import ObjectAlreadyExists
 from pydantic import BaseModel
 from tokenizers import Tokenizer
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
@@ -25,6 +29,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from tasks import cluster, jobs, storage
 from tasks.data import Split
 from tasks.predictor import truncating
+from tasks.retries import RETRY_TRANSIENT
 from tasks.shards import SPLITS, shards, write_shards
 
 
@@ -110,19 +115,38 @@ def _tokenize_splits(splits: dict[str, Split], tokenizer: Tokenizer, targets: di
     return {name: sum(shard["rows"] for shard in written if shard["split"] == name) for name in SPLITS}
 
 
-# Carried by every tokenize task run: a Prefect concurrency limit of 1 on it (deployments/) keeps two
-# runs of the same data from writing the same shards at once; the second then reuses the first's.
-TOKENIZE_TAG = "tokenize"
+# How long a run that died holding a shard set's writer slot keeps it: Prefect renews the lease
+# while its holder lives, and frees the slot this long after the holder's last renewal.
+WRITER_LEASE_S = 60
 
 
-@task(cache_policy=INPUTS - "splits" - "model_name_or_path" - "ray_address", persist_result=True, tags=[TOKENIZE_TAG])
+def one_writer(key: TokenizeKey) -> AbstractContextManager:
+    """The right to write key's shard set, one run at a time across every machine that shares this
+    Prefect server: a global concurrency limit of 1 named after the content key (made on first use),
+    held on a lease. Runs of other content are not held up."""
+    name = f"tokenize-{key.digest}"
+    with get_client(sync_client=True) as client:
+        try:
+            client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=1))
+        except ObjectAlreadyExists:
+            pass
+    return concurrency(name, occupy=1, strict=True, lease_duration=WRITER_LEASE_S)
+
+
+@task(cache_policy=INPUTS - "splits" - "model_name_or_path" - "ray_address", persist_result=True, **RETRY_TRANSIENT)
 def tokenize(
     key: TokenizeKey, splits: dict[str, Split], model_name_or_path: str, ray_address: str | None = None
 ) -> dict[str, str]:
-    """Write each split's token ids as Parquet under <root>/tokenized/<key>/; return their URIs."""
-    if key.shards_exist():  # complete shards of this content, from a run whose cache entry is not here: reuse them
-        return key.uris  # (tokenizing again would first remove shards another run may be training on)
-    return jobs.run(tokenized_shards, ray_address, get_run_logger(), key=key, splits=splits, model_name_or_path=model_name_or_path)
+    """Write each split's token ids as Parquet under <root>/tokenized/<key>/; return their URIs. A
+    complete set (its marker is there), whoever wrote it, is used as it is and never removed: a run
+    may be training on it. Only the writer's slot holder writes, so the leftovers it replaces are an
+    interrupted attempt's, never a live one's; a run that waited for the slot finds the set complete."""
+    with one_writer(key):
+        if key.shards_exist():
+            get_run_logger().info("using the tokenized shards at %s", key.target)
+            return key.uris
+        return jobs.run(tokenized_shards, ray_address, get_run_logger(), key=key, splits=splits,
+                        model_name_or_path=model_name_or_path)
 
 
 def tokenized_shards(key: TokenizeKey, splits: dict[str, Split], model_name_or_path: str) -> dict[str, str]:

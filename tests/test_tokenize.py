@@ -3,20 +3,26 @@
 from __future__ import annotations
 
 import shutil
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-from prefect import flow
+from prefect import flow, get_client
+from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+from prefect.logging.handlers import APILogHandler
 
 from conftest import read_jsonl
-from tasks import data, storage
+from flows.finetune import finetune
+from tasks import cluster, data, storage
 from tasks.cluster import Resources
-from tasks.config import DataConfig
+from tasks.config import DataConfig, TrainConfig
 from tasks.data import load_splits
 from tasks.storage import CLAIM, MARKER
 from tasks.tokenize import load_tokenizer, tokenize, tokenize_key
 from test_data import mixed_split
+from test_flow import params
 
 
 def splits_in(folder, small_data):
@@ -101,6 +107,42 @@ def test_an_interrupted_attempt_is_replaced_and_complete_shards_reused(ray_clust
 
     assert tokenize_without_the_cache_entry() == again.result()
     assert {f: (Path(key.target) / f).stat().st_mtime_ns for f in storage.OutputFolder(key.target).files() - {MARKER}} == stamps
+
+
+def prefect_messages(flow_run_id) -> list[str]:
+    APILogHandler().flush()  # log records are shipped in the background
+    with get_client(sync_client=True) as client:
+        return [log.message for log in client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))]
+
+
+def test_two_runs_started_at_once_on_the_same_data_write_one_shard_set_and_both_train_on_it(
+        ray_cluster, tiny_model, small_data, tmp_path, monkeypatch):
+    root = str(tmp_path / "store")
+    runs = [params(tiny_model, small_data, root).model_copy(
+        update={"run_id": run_id, "train": TrainConfig(epochs=1, batch_size=32, max_steps=2)}) for run_id in ("a", "b")]
+    # Both runs have checked their inputs, and found no shards, before either starts tokenizing.
+    both_checked, refuse_local_paths = threading.Barrier(2), cluster.refuse_local_paths
+
+    def checked_together(*args):
+        both_checked.wait(60)
+        refuse_local_paths(*args)
+
+    monkeypatch.setattr(cluster, "refuse_local_paths", checked_together)
+    with ThreadPoolExecutor(2) as pool:
+        states = list(pool.map(lambda run: finetune(run, return_state=True), runs))
+
+    summaries = [state.result() for state in states]
+    assert [summary["run_id"] for summary in summaries] == ["a", "b"]
+    messages = [message for state in states for message in prefect_messages(state.state_details.flow_run_id)]
+    assert sum(message.startswith("tokenized {") for message in messages) == 1, "the shard set was written twice"
+    assert sum(message.startswith("using the tokenized shards at") for message in messages) == 1
+    [shard_set] = [path for path in (tmp_path / "store" / "tokenized").iterdir()]
+    marker = storage.read_json(str(shard_set / MARKER))
+    assert storage.OutputFolder(str(shard_set)).files() == {*marker["files"], MARKER}, "one whole set, nothing else"
+    for summary in summaries:
+        manifest = storage.read_json(storage.join(summary["run_dir"], "manifest.json"))
+        assert manifest["outputs"]["tokenized"] == {name: str(shard_set / name) for name in ("train", "validation", "test")}
+        assert manifest["metrics"]["training"]["history"][-1]["step"] == 2
 
 
 @pytest.mark.parametrize("given, message", [
