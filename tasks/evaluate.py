@@ -10,6 +10,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from tasks import cluster, jobs, storage
 from tasks.data import Split, shown
 from tasks.predictor import confusion
+from tasks.retries import RETRY_TRANSIENT
 
 
 def metrics_of(counts: np.ndarray, label_names: list[str]) -> dict:
@@ -43,7 +44,7 @@ def score(model_uri: str, test: Split) -> dict:
     return metrics_of(counts, label_names)
 
 
-@task
+@task(**RETRY_TRANSIENT)
 def evaluate(model_uri: str, test: Split, metrics_uri: str, ray_address: str | None = None) -> dict:
     """Accuracy, macro F1 and the confusion matrix on the test split -> metrics.json + artifacts."""
     metrics = jobs.run(score, ray_address, get_run_logger(), model_uri=model_uri, test=test)

@@ -21,6 +21,7 @@ from tasks import cluster, jobs, storage
 from tasks.config import InferenceConfig
 from tasks.data import DataError, file_format, iter_frames, reading, rows_per_byte, unlabelled_files
 from tasks.predictor import Predictor
+from tasks.retries import RETRY_TRANSIENT
 
 PROGRESS_EVERY_S = 10.0
 WINDOWS_PER_ACTOR = 4  # at least, so that the last, partial window is a small share of any actor's work
@@ -66,7 +67,7 @@ def read_rows(text_column: str, id_column: str | None, base: str, window_rows: i
     return read
 
 
-@task
+@task(**RETRY_TRANSIENT)
 def predict_files(model_uri: str, cfg: InferenceConfig, output_uri: str, ray_address: str | None = None) -> dict:
     """Label every row of every file cfg.input_uri names; Parquet (id, text, label, score) at
     output_uri, complete once output_uri/_SUCCESS.json exists (rows, input and model fingerprints)."""

@@ -10,6 +10,7 @@ from importlib.metadata import version
 from prefect import task
 
 from tasks import storage
+from tasks.retries import RETRY_TRANSIENT
 
 PACKAGES = ("torch", "transformers", "tokenizers", "deepspeed", "ray", "prefect", "pyarrow", "fsspec", "s3fs")
 
@@ -18,7 +19,7 @@ def versions() -> dict[str, str]:
     return {"python": platform.python_version(), **{name: version(name) for name in PACKAGES}}
 
 
-@task
+@task(**RETRY_TRANSIENT)
 def write_manifest(manifest_uri: str, config: dict, cluster: dict, data: dict, outputs: dict, metrics: dict, seconds: dict) -> str:
     storage.write_json(
         manifest_uri,

@@ -25,6 +25,7 @@ from tasks import jobs, storage
 from tasks.config import PromotionConfig
 from tasks.data import Split
 from tasks.evaluate import score
+from tasks.retries import RETRY_TRANSIENT
 
 CHAMPION_REF = re.compile(r"^models/(?P<name>[^/]+)@champion$")
 
@@ -45,7 +46,7 @@ def resolve(model_uri: str, root: str) -> str:
     return storage.read_json(pointer)["model_uri"]
 
 
-@task
+@task(**RETRY_TRANSIENT)
 def promote(model_uri: str, metrics: dict, test: Split, cfg: PromotionConfig, root: str, run_id: str,
             ray_address: str | None = None) -> dict:
     """Make model_uri the champion of cfg.model_name if it is at least as good; the decision, with why."""

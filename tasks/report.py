@@ -19,6 +19,7 @@ from tasks import storage
 from tasks.data import Split
 from tasks.evaluate import confusion_markdown
 from tasks.manifest import versions
+from tasks.retries import RETRY_TRANSIENT
 from tasks.storage import RunStore
 
 PLOTS = {"training": "training.png", "confusion": "confusion-matrix.png"}
@@ -138,7 +139,7 @@ def markdown(store: RunStore, config: dict, splits: dict[str, Split], outputs: d
     return "\n".join(lines)
 
 
-@task
+@task(**RETRY_TRANSIENT)
 def publish_report(store: RunStore, config: dict, splits: dict[str, Split], outputs: dict, results: dict,
                    seconds: dict) -> str:
     """report.md and its plots in the run's report folder, and the same report and a metrics table as Prefect artifacts."""

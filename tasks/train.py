@@ -18,6 +18,7 @@ from transformers import AutoConfig
 
 from tasks import cluster, jobs, storage
 from tasks.config import ModelConfig, TrainConfig
+from tasks.retries import RETRY_TRANSIENT
 from tasks.shards import SHARD_SCHEMA
 from tasks.train_worker import IGNORED, STATE_FILE, Plan, Result, WorkerSpec, train_worker
 
@@ -142,7 +143,7 @@ def data_config() -> DataConfig:
     return DataConfig(execution_options=options)
 
 
-@task(tags=[TRAINING_TAG])
+@task(tags=[TRAINING_TAG], **RETRY_TRANSIENT)
 def train(tokenized: dict[str, str], model: ModelConfig, label_names: list[str], cfg: TrainConfig, run_dir: str,
           ray_address: str | None = None) -> Result:
     """Fine-tune on the tokenized splits; the consolidated model lands in <run_dir>/model. Returns
