@@ -31,6 +31,7 @@ from typing import Any
 
 import fsspec
 import pyarrow.fs
+from botocore.exceptions import BotoCoreError, NoCredentialsError
 
 
 def is_remote(uri: str) -> bool:
@@ -72,8 +73,17 @@ def check_writable(uri: str, what: str) -> None:
         return
     fs, path = filesystem(uri)
     bucket = path.split("/")[0]
-    if not fs.exists(bucket):
-        raise ValueError(f"{what} {uri}: bucket '{bucket}' does not exist; ftflow creates no buckets: create it or fix the name")
+    try:
+        fs.call_s3("head_bucket", Bucket=bucket)  # s3fs's exists() says False for a store it cannot reach too
+    except FileNotFoundError:
+        raise ValueError(f"{what} {uri}: bucket '{bucket}' does not exist; ftflow creates no buckets: create it or fix the name") from None
+    except NoCredentialsError:
+        raise ValueError(f"{what} {uri}: no S3 credentials found: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or "
+                         "AWS_PROFILE, or give this machine a role") from None
+    except PermissionError as error:
+        raise ValueError(f"{what} {uri}: this machine's credentials may not use bucket '{bucket}': {error}") from None
+    except (BotoCoreError, OSError) as error:  # no connection, DNS, TLS: botocore's words name the endpoint
+        raise ValueError(f"{what} {uri}: the object store cannot be reached: {error}") from None
     probe = f"{path.rstrip('/')}/.ftflow-probe-{uuid.uuid4().hex}"
     try:
         fs.pipe_file(probe, b"")

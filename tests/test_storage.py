@@ -7,6 +7,7 @@ import threading
 
 import pytest
 
+from conftest import free_port
 from tasks import storage
 
 
@@ -56,3 +57,14 @@ def test_an_output_that_is_a_file_is_refused(tmp_path):
     with pytest.raises(storage.UnsafeOutput, match="labels.parquet is a file"):
         storage.OutputFolder(str(tmp_path / "labels.parquet")).check()
     assert (tmp_path / "labels.parquet").read_bytes() == b"the user's"
+
+
+def test_an_object_store_that_cannot_be_reached_is_said_plainly(monkeypatch):
+    """Not "bucket does not exist" (s3fs's exists() is False for a store it cannot reach too)."""
+    endpoint = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "key")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "secret")
+    with pytest.raises(ValueError, match=f"^storage_root s3://somewhere/ftflow: the object store cannot be reached: "
+                                         f"Could not connect to the endpoint URL: \"{endpoint}/somewhere\"$"):
+        storage.check_writable("s3://somewhere/ftflow", "storage_root")
