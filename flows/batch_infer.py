@@ -10,6 +10,7 @@ from pydantic import Field
 
 from tasks.config import DEVICE, WINDOW_ROWS, Device, InferenceConfig, default_storage_root
 from tasks.infer import predict_files
+from tasks.reaper import reap_on_exit
 from tasks.registry import resolve
 from tasks.report import publish_inference_report
 
@@ -29,13 +30,16 @@ def batch_infer(
     actors: Annotated[int | None, Field(ge=1, description=InferenceConfig.model_fields["actors"].description)] = None,
     device: Annotated[Device, Field(description=DEVICE)] = "auto",
     wait_for_actors_s: Annotated[float, Field(gt=0, description=InferenceConfig.model_fields["wait_for_actors_s"].description)] = 600,
+    timeout_s: Annotated[float | None, Field(gt=0, description=InferenceConfig.model_fields["timeout_s"].description)] = None,
     ray_address: str | None = None,
     storage_root: Annotated[str | None, Field(description="Where models/ is; default: FTFLOW_STORAGE_ROOT or ./artifacts.")] = None,
 ) -> dict:
     """Label every row of the input files (files, directories or globs; local or s3://) with model_uri."""
+    reap_on_exit()  # this process's Prefect server and local Ray end with it, even if it is killed
     resolved = resolve(model_uri, storage_root or default_storage_root())
     cfg = InferenceConfig(input_uri=input_uri, text_column=text_column, id_column=id_column, batch_size=batch_size,
-                          window_rows=window_rows, actors=actors, device=device, wait_for_actors_s=wait_for_actors_s)
-    result = predict_files(resolved, cfg, output_uri, ray_address)
+                          window_rows=window_rows, actors=actors, device=device, wait_for_actors_s=wait_for_actors_s,
+                          timeout_s=timeout_s)
+    result = predict_files.with_options(timeout_seconds=timeout_s)(resolved, cfg, output_uri, ray_address)
     publish_inference_report(model_uri, resolved, flow_run.parameters, result)
     return result

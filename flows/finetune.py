@@ -15,6 +15,7 @@ from tasks.data import load_splits, unlabelled_files
 from tasks.evaluate import evaluate
 from tasks.infer import predict_files
 from tasks.manifest import write_manifest
+from tasks.reaper import reap_on_exit
 from tasks.registry import champion_pointer, promote
 from tasks.report import Stopwatch, publish_report
 from tasks.storage import RunStore, check_writable, refuse_overlap
@@ -33,6 +34,7 @@ def new_run_id() -> str:
 @flow(name="finetune")
 def finetune(params: FinetuneParams = FinetuneParams()) -> dict:
     """Fine-tune a Hugging Face classifier and label a corpus with it."""
+    reap_on_exit()  # this process's Prefect server and local Ray end with it, even if it is killed
     store = RunStore(params.storage_root, params.run_id or new_run_id())
     splits = load_splits(params.data)  # bad input stops here, before Ray or storage are touched
     inference = params.inference.model_copy(update={"input_uri": params.inference.input_uri or list(splits["test"].uris),
@@ -51,14 +53,14 @@ def finetune(params: FinetuneParams = FinetuneParams()) -> dict:
         tokenized = tokenize.with_options(refresh_cache=not key.shards_exist())(
             key, splits, params.model.name_or_path, params.ray_address)
     with took("train"):
-        training = train(tokenized, params.model, params.data.label_names, params.train, store.base, params.ray_address)
+        training = train.with_options(timeout_seconds=params.train.timeout_s)(tokenized, params.model, params.data.label_names, params.train, store.base, params.ray_address)
     with took("evaluate"):
         metrics = evaluate(store.model_dir, splits["test"], store.metrics, params.ray_address)
     with took("promote"):
         promotion = promote(store.model_dir, metrics, splits["test"], params.promotion, params.storage_root, store.run_id,
                             params.ray_address)
     with took("batch inference"):
-        predictions = predict_files(store.model_dir, inference, store.predictions, params.ray_address)
+        predictions = predict_files.with_options(timeout_seconds=inference.timeout_s)(store.model_dir, inference, store.predictions, params.ray_address)
 
     config = params.model_dump(mode="json")
     outputs = {"tokenized": tokenized, "checkpoints": store.train_dir, "model": store.model_dir, "metrics": store.metrics,

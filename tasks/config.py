@@ -138,6 +138,8 @@ class TrainConfig(Strict):
     wait_for_workers_s: float = Field(600, gt=0, description="How long the cluster may take to make room for every worker "
                                                              "(nodes to start) before the run fails saying what did not come.")
     max_failures: int = Field(2, ge=0, description="Worker failures survived by restarting from the last checkpoint.")
+    timeout_s: float | None = Field(None, gt=0, description="Fail training that runs longer than this, workers stopped "
+                                                            "(the same run_id again resumes from its last checkpoint); default: none.")
     deepspeed: dict = Field({}, description="Raw DeepSpeed JSON merged over the derived one, for experts.")
 
     @model_validator(mode="after")
@@ -161,6 +163,8 @@ class InferenceConfig(Strict):
     device: Device = Field("auto", description=DEVICE)
     wait_for_actors_s: float = Field(600, gt=0, description="How long the cluster may take to start every replica before the run fails.")
     window_rows: int = Field(WINDOW_ROWS, ge=1, description="Rows sorted by length and labelled together: with batch_size, bounds memory per actor.")
+    timeout_s: float | None = Field(None, gt=0, description="Fail batch inference that runs longer than this, replicas stopped "
+                                                            "(nothing is marked complete); default: none.")
 
 
 class PromotionConfig(Strict):

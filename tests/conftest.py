@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -42,12 +43,7 @@ def s3_endpoint():
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     endpoint = f"http://127.0.0.1:{port}"
-    for _ in range(100):
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            break
-        except OSError:
-            time.sleep(0.1)
+    wait_for_port(port)
     os.environ.update(AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID=S3_KEY, AWS_SECRET_ACCESS_KEY=S3_SECRET,
                       AWS_DEFAULT_REGION="us-east-1")
     import boto3
@@ -77,6 +73,53 @@ def ray_cluster(s3_endpoint):
     cluster.connect()
     yield ray
     ray.shutdown()
+
+
+def wait_for_port(port: int) -> None:
+    for _ in range(100):
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return
+        except OSError:
+            time.sleep(0.1)
+
+
+@pytest.fixture
+def ray_stopped(ray_cluster):
+    """The session's Ray stopped for the test (one that starts a Ray of its own, or starts it afresh
+    with another environment), and started again after it."""
+    from tasks import cluster
+
+    ray_cluster.shutdown()
+    try:
+        yield
+    finally:
+        ray_cluster.shutdown()
+        cluster.connect()
+
+
+@pytest.fixture
+def faulty_s3(s3_endpoint, ray_stopped):
+    """The moto endpoint behind tests/faulty_s3.py, failing 10% of requests (500, 503 SlowDown, a dropped
+    connection), for this process and a Ray started afresh for the test (workers take the endpoint
+    from their environment when Ray starts). Yields a function that returns the proxy's counts."""
+    from tasks import cluster
+
+    port = free_port()
+    proxy = subprocess.Popen([sys.executable, str(Path(__file__).with_name("faulty_s3.py")), str(port),
+                              s3_endpoint.removeprefix("http://"), "0.1", "7"])
+    wait_for_port(port)
+    os.environ["AWS_ENDPOINT_URL"] = f"http://127.0.0.1:{port}"
+    cluster.connect()
+    try:
+        yield lambda: json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/_faults").read())
+    finally:
+        import ray
+
+        ray.shutdown()  # before ray_stopped starts it again, with the endpoint as it was
+        os.environ["AWS_ENDPOINT_URL"] = s3_endpoint
+        proxy.terminate()
+        proxy.wait()
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pandas as pd
 import pyarrow.parquet as pq
@@ -14,7 +17,7 @@ from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRun
 
 from conftest import write_jsonl
 from flows.batch_infer import batch_infer
-from tasks import infer, storage
+from tasks import cluster, infer, storage
 from tasks.data import DataError
 from tasks.storage import MARKER
 
@@ -109,3 +112,30 @@ def test_a_small_corpus_is_split_into_windows_for_every_actor(corpus):
         assert infer.balanced_window(8192, 64, actors=2, sizes=ten_thousand_rows) == pytest.approx(10_000 / 8, rel=0.01)
         assert infer.balanced_window(8192, 64, actors=2, sizes={uri: size * 1_000_000}) == 8192
         assert infer.balanced_window(8192, 64, actors=100, sizes=ten_thousand_rows) == 64  # never below a batch
+
+
+def test_a_job_killed_mid_way_and_run_again_labels_every_row_once(ray_stopped, tiny_model, tmp_path):
+    """The driver SIGKILLed once labels are being written; the same job again ends with exactly one
+    row per input row, and none of the killed job's files."""
+    files, per_file = 40, 5_000
+    for f in range(files):
+        ids = range(f * per_file, (f + 1) * per_file)
+        write_jsonl(tmp_path / "corpus" / f"part-{f:02d}.jsonl", [{"doc": f"d{i}", "text": f"film {i} was fun"} for i in ids])
+    output = tmp_path / "predictions"
+    job = (str(tiny_model), str(tmp_path / "corpus"), str(output))
+    driver = subprocess.Popen([sys.executable, "-c", f"from flows.batch_infer import batch_infer; batch_infer(*{job!r}, id_column='doc')"],
+                              cwd=Path(__file__).parents[1], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while not list(output.glob("*.parquet")):
+        assert driver.poll() is None and time.monotonic() < deadline, "the job ended or took too long before writing labels"
+        time.sleep(0.05)
+    driver.kill()
+    driver.wait()
+    assert not (output / MARKER).exists(), "a killed job's output looks complete"
+
+    cluster.connect()
+    assert batch_infer(*job, id_column="doc")["rows"] == files * per_file
+    ids = pq.read_table(output, columns=["id"]).column("id").to_pandas()
+    assert ids.is_unique and set(ids) == {f"d{i}" for i in range(files * per_file)}
+    marker = json.loads((output / MARKER).read_text())
+    assert storage.OutputFolder(str(output)).files() == {*marker["files"], MARKER}

@@ -3,19 +3,23 @@
 from __future__ import annotations
 
 import io
+import json
 import subprocess
 import sys
 import threading
+import time
+import uuid
 from pathlib import Path
 
+import psutil
 import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, LogFilter, LogFilterFlowRunId
 from transformers import AutoModelForSequenceClassification
 
-from conftest import BUCKET, S3_SECRET, write_jsonl
+from conftest import BUCKET, S3_KEY, S3_SECRET, write_jsonl
 from test_train import kill_a_worker_once_a_checkpoint_is_committed
 from flows.finetune import finetune
 from tasks import storage
@@ -102,21 +106,46 @@ def test_finetune_on_local_storage(ray_cluster, tiny_model, small_data, tmp_path
     assert artifacts["run-report"].count("](data:image/png;base64,") == 2
 
 
-def test_finetune_on_s3(ray_cluster, tiny_model, small_data):
+def test_finetune_on_s3_leaks_no_credential(ray_cluster, tiny_model, small_data, capfd):
+    """Every log line (the console, Prefect's, Ray's files), every artifact, and every byte stored
+    (manifest, report, checkpoints and their metadata, model, predictions) is free of the key and secret."""
     data = {}
     for split, path in small_data.items():
         data[split] = f"s3://{BUCKET}/input/{path.name}"
         storage.filesystem(data[split])[0].put_file(str(path), data[split])
     root = f"s3://{BUCKET}/ftflow"
-    summary = finetune(params(tiny_model, data, root))
+    state = finetune(params(tiny_model, data, root), return_state=True)
+    summary = state.result()
     assert summary["run_dir"].startswith(f"{root}/runs/")
     manifest = check_run(summary["run_dir"], summary, data)
     assert manifest["outputs"]["model"] == f"{summary['run_dir']}/model"
 
     fs, path = storage.filesystem(root)
-    for key in fs.find(path):
-        if key.endswith((".json", ".txt", ".parquet", ".md")):
-            assert S3_SECRET.encode() not in fs.cat_file(key), f"credential written into {key}"
+    stored = {key: fs.cat_file(key) for key in fs.find(path)}
+    assert any("/train/" in key for key in stored) and any(key.endswith("manifest.json") for key in stored)
+    with get_client(sync_client=True) as client:
+        logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[state.state_details.flow_run_id])))
+        flow_run = client.read_flow_run(state.state_details.flow_run_id)
+    console = capfd.readouterr()
+    ray_logs = {str(f): f.read_bytes() for f in Path("/tmp/ray/session_latest/logs").rglob("*") if f.is_file()}
+    places = {**stored, **ray_logs, "console": (console.out + console.err).encode(),
+              "Prefect logs": "\n".join(log.message for log in logs).encode(),
+              "Prefect artifacts": json.dumps(run_artifacts(state.state_details.flow_run_id), default=str).encode(),
+              "flow run parameters": json.dumps(flow_run.parameters, default=str).encode()}
+    assert logs and ray_logs and console.err
+    for credential in (S3_KEY, S3_SECRET):
+        leaks = [where for where, content in places.items() if credential.encode() in content]
+        assert not leaks, f"{credential} in {leaks}"
+
+
+def test_finetune_survives_s3_faults(faulty_s3, tiny_model, s3_data):
+    """One S3 request in ten fails (500, 503 SlowDown, a dropped connection): every stage rides them
+    out and the run is whole."""
+    root = f"s3://{BUCKET}/faults-{uuid.uuid4().hex[:8]}"
+    summary = finetune(params(tiny_model, s3_data, root))
+    check_run(summary["run_dir"], summary, s3_data)
+    counts = faulty_s3()
+    assert counts["InternalError"] and counts["SlowDown"] and counts["dropped"], counts
 
 
 @pytest.mark.parametrize("where", ["validation split", "files to label"])
@@ -168,3 +197,46 @@ def test_a_flow_run_that_fails_mid_training_is_retried_and_resumes_in_the_same_r
     [run_dir] = (tmp_path / "store" / "runs").iterdir()
     manifest = check_run(str(run_dir), state.result(), small_data)
     assert manifest["metrics"]["training"]["history"][-1]["resumed_from_step"] > 0, "the retry trained from step 0"
+
+
+def test_training_past_its_timeout_fails_and_frees_the_cluster(ray_cluster, tiny_model, small_data, tmp_path):
+    run_params = params(tiny_model, small_data, str(tmp_path / "store"))
+    run_params.train = run_params.train.model_copy(update={"timeout_s": 15})
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match="timed out after 15"):
+        finetune(run_params)
+    assert time.monotonic() - started < 90, "the timeout did not stop training"
+    deadline = time.monotonic() + 30
+    while ray_cluster.available_resources().get("CPU") != ray_cluster.cluster_resources()["CPU"]:
+        assert time.monotonic() < deadline, f"training workers still hold CPUs: {ray_cluster.available_resources()}"
+        time.sleep(1)
+    time.sleep(5)  # and no controller left to start them again
+    assert ray_cluster.available_resources().get("CPU") == ray_cluster.cluster_resources()["CPU"]
+
+
+def test_a_driver_killed_mid_training_leaves_no_process_and_the_run_resumes(ray_stopped, tiny_model, small_data, tmp_path):
+    """`python -m flows.finetune` SIGKILLed once a checkpoint is committed: within 60 s none of its
+    processes (its Prefect server, its Ray's, the watcher) is left; the same run_id again resumes."""
+    run = params(tiny_model, small_data, str(tmp_path / "store")).model_copy(update={"run_id": "killed"})
+    run.train = run.train.model_copy(update={"checkpoint_every_steps": 10})
+    (tmp_path / "params.json").write_text(run.model_dump_json())
+    driver = subprocess.Popen([sys.executable, "-m", "flows.finetune", str(tmp_path / "params.json")],
+                              cwd=Path(__file__).parents[1], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    snapshot = tmp_path / "store" / "runs" / "killed" / "train" / "ray" / "checkpoint_manager_snapshot.json"
+    deadline = time.monotonic() + 300
+    while not (snapshot.exists() and "checkpoint_dir_name" in snapshot.read_text()):
+        assert driver.poll() is None and time.monotonic() < deadline, "the run ended or took too long before its first checkpoint"
+        time.sleep(0.1)
+    started = psutil.Process(driver.pid).children(recursive=True)
+    assert any("raylet" in " ".join(p.cmdline()) for p in started) and any("uvicorn" in " ".join(p.cmdline()) for p in started)
+    driver.kill()
+    driver.wait()
+    _, left = psutil.wait_procs(started, timeout=60)
+    assert not left, f"still running 60 s after the driver was killed: {[' '.join(p.cmdline())[:80] for p in left]}"
+
+    from tasks import cluster
+
+    cluster.connect()
+    summary = finetune(run)
+    manifest = check_run(summary["run_dir"], summary, small_data)
+    assert manifest["metrics"]["training"]["history"][-1]["resumed_from_step"] >= 10, "the re-run trained from step 0"
