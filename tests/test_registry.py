@@ -3,7 +3,7 @@ champion untouched and says so, and batch inference takes `models/<name>@champio
 
 from __future__ import annotations
 
-import functools
+import itertools
 import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -60,11 +60,17 @@ def test_two_promotions_racing_from_the_same_champion_exactly_one_wins(store, ra
                                   test_uri=str(small_data["test"])))["test"]
     cfg = PromotionConfig(model_name="rt")
     assert promote(str(tiny_model), {"accuracy": 0.5}, test, cfg, root, "first")["promoted"]
-    # Both challengers have read the champion before either scores it: both compare with the same,
-    # soon stale, champion, and both would beat it.
-    both_read = threading.Barrier(2)
-    monkeypatch.setattr(registry, "score", functools.wraps(registry.score)(
-        lambda **kwargs: both_read.wait(60) is not None and registry.score.__wrapped__(**kwargs)))
+    # Both challengers read the champion before either goes on: both compare with the same, soon stale,
+    # champion, and both would beat it. (The barrier is on the read: scoring takes turns in one process.)
+    both_read, reads, read = threading.Barrier(2), itertools.count(), storage.read_versioned_json
+
+    def read_then_wait(uri):
+        pointer = read(uri)
+        if next(reads) < 2:  # the challengers' reads; the local swap reads again under its lock
+            both_read.wait(60)
+        return pointer
+
+    monkeypatch.setattr(storage, "read_versioned_json", read_then_wait)
     with ThreadPoolExecutor(2) as pool:
         decisions = dict(zip(["a", "b"], pool.map(lambda run: promote(f"{root}/runs/{run}/model", {"accuracy": 1.0}, test,
                                                                       cfg, root, run), ["a", "b"])))
