@@ -6,11 +6,16 @@
 Baselines, measured in the same run on the same tokenized rows:
   * `pytorch`: a bare single-process PyTorch loop (torch.optim.AdamW as most hand-written loops
     create it, all of the machine's CPUs), and the same loop with `fused=True`;
+  * `hf trainer`: the Hugging Face Trainer in one process (its defaults: fused AdamW on this torch),
+    with random batches and with `train_sampling_strategy="group_by_length"` (transformers 5's name
+    for `group_by_length=True`);
   * `ray train ddp`: Ray Train with torch DistributedDataParallel and no DeepSpeed.
-Then ftflow's training task (DeepSpeed) at ZeRO 0 (the default: no partitioning), 1, 2, 3, and 3 +
-parameter and optimizer offload. Every strategy sees the same global batches in the same order
-(DistributedSampler, seed 42), dynamic padding, and checkpoints mid-run so the checkpoint's cost
-is measured too.
+Then ftflow's training task (DeepSpeed): the default (ZeRO 0, length-grouped batches, its default
+layout: one worker with every CPU on one machine; `--workers` x `--cpus-per-worker` override it),
+the same without length grouping and as 2 workers x 1 thread, ZeRO 1, 2, 3 and 3 + parameter and
+optimizer offload on 2 workers. Every strategy trains on the same rows with the same
+global batch and recipe, in its own seeded order (the loops: DistributedSampler, seed 42), pads each
+batch to its longest row, and checkpoints once half-way so the checkpoint's cost is measured too.
 
 Per strategy: steady-state samples/s (after the first batch, checkpoint excluded), its ratio to the
 bare loop, peak memory per worker (resident set on CPU, allocated on GPU), seconds from the training
@@ -50,10 +55,13 @@ from tasks.train_worker import collate, param_groups  # noqa: E402
 LABELS = ["negative", "positive"]
 DEEPSPEED = {
     "zero0 (default)": {"zero_stage": 0},
-    "zero1": {"zero_stage": 1},
-    "zero2": {"zero_stage": 2},
-    "zero3": {"zero_stage": 3},
-    "zero3 + offload": {"zero_stage": 3, "offload_params": True, "offload_optimizer": True},
+    "zero0, no length grouping": {"zero_stage": 0, "length_group_batches": 1},
+    "zero0, 2 workers x 1 thread": {"zero_stage": 0, "num_workers": 2, "cpus_per_worker": 1},
+    # ZeRO shards across workers: one worker would have nothing to shard.
+    "zero1": {"zero_stage": 1, "num_workers": 2},
+    "zero2": {"zero_stage": 2, "num_workers": 2},
+    "zero3": {"zero_stage": 3, "num_workers": 2},
+    "zero3 + offload": {"zero_stage": 3, "num_workers": 2, "offload_params": True, "offload_optimizer": True},
 }
 
 
@@ -130,10 +138,49 @@ def baseline_process(model_path: str, train_uri: str, batch: int, threads: int, 
                                  fused=fused)
 
 
-def pytorch(*args) -> dict:
+def trainer_process(model_path: str, train_uri: str, batch: int, threads: int, steps_to_checkpoint: int,
+                    sampling: str) -> dict:
+    """The Hugging Face Trainer as a user would pick it: one process, all the CPUs, its defaults
+    (fused AdamW on this torch), ftflow's recipe (lr, warm-up, decay, clipping), dynamic padding."""
+    from datasets import Dataset
+    from transformers import (AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding, Trainer,
+                              TrainerCallback, TrainingArguments)
+
+    started = time.perf_counter()
+    torch.set_num_threads(threads)
+    times: dict[str, list[float]] = {"step": [], "save": []}
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            times["step"].append(time.perf_counter())
+
+        def on_save(self, args, state, control, **kwargs):
+            times["save"].append(time.perf_counter())
+
+    rows = [{"input_ids": r["input_ids"], "labels": r["label"]} for r in read_tokenized(train_uri)]
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    with tempfile.TemporaryDirectory() as folder:
+        arguments = TrainingArguments(
+            folder, per_device_train_batch_size=batch, num_train_epochs=1, learning_rate=1e-4, warmup_steps=0.1,
+            weight_decay=0.01, max_grad_norm=1.0, seed=42, use_cpu=True, train_sampling_strategy=sampling,
+            save_strategy="steps", save_steps=steps_to_checkpoint, logging_strategy="no", report_to="none",
+            dataloader_num_workers=0, disable_tqdm=True)
+        trainer = Trainer(AutoModelForSequenceClassification.from_pretrained(model_path, num_labels=len(LABELS)), arguments,
+                          train_dataset=Dataset.from_list(rows), data_collator=DataCollatorWithPadding(tokenizer),
+                          callbacks=[Clock()])
+        trainer.train()
+    steps = times["step"]
+    # The checkpoint at steps_to_checkpoint is taken after that step's end and before the next step.
+    checkpoint_s = times["save"][0] - steps[steps_to_checkpoint - 1]
+    return {"samples_per_s": (len(steps) - 1) * batch / (steps[-1] - steps[0] - checkpoint_s),
+            "first_step_s": steps[0] - started, "checkpoint_s": checkpoint_s,
+            "peak_memory_mb": peak_rss_mb(), "optimizer": arguments.optim.value}
+
+
+def in_fresh_process(function: Callable[..., dict], *args) -> dict:
     """In a fresh process: its own peak memory, and no Ray or Prefect threads beside it."""
     with ProcessPoolExecutor(1, mp_context=get_context("spawn")) as pool:
-        return pool.submit(baseline_process, *args).result()
+        return pool.submit(function, *args).result()
 
 
 def ddp_worker(config: dict) -> None:
@@ -176,10 +223,9 @@ def ddp(model_path: str, train_uri: str, batch: int, workers: int, cpus_per_work
         return trainer.fit().metrics
 
 
-def ftflow(model_path: str, uris: dict, max_length: int, batch: int, workers: int, cpus_per_worker: int,
-           steps_to_checkpoint: int, options: dict, run_dir: str) -> dict:
-    cfg = TrainConfig(batch_size=batch, num_workers=workers, cpus_per_worker=cpus_per_worker,
-                      checkpoint_every_steps=steps_to_checkpoint, **options)
+def ftflow(model_path: str, uris: dict, max_length: int, batch: int, layout: dict, steps_to_checkpoint: int, options: dict,
+           run_dir: str) -> dict:
+    cfg = TrainConfig(**{"batch_size": batch, "checkpoint_every_steps": steps_to_checkpoint} | layout | options)
     row = train(uris, ModelConfig(name_or_path=model_path, max_length=max_length), LABELS, cfg, run_dir).history[-1]
     return {"samples_per_s": row.samples_per_s, "first_step_s": row.startup_s, "checkpoint_s": row.checkpoint_s,
             "peak_memory_mb": row.peak_memory_mb}
@@ -200,12 +246,16 @@ def tokenized_rows(model_path: str, max_length: int, rows: int, folder: Path) ->
     return tokenize(tokenize_key(splits, load_tokenizer(model_path), max_length, str(folder)), splits, model_path)
 
 
-def table(results: dict[str, dict], baseline: str) -> str:
-    base = results[baseline]["samples_per_s"]
-    lines = ["| strategy | samples/s | vs bare PyTorch | peak memory per worker | time to first step | checkpoint | wall |",
-             "|---|---|---|---|---|---|---|"]
+BASELINES = ("pytorch (baseline)", "pytorch, fused adamw", "hf trainer, group_by_length")
+
+
+def table(results: dict[str, dict]) -> str:
+    bases = [name for name in BASELINES if name in results]
+    lines = ["| strategy | samples/s | " + " | ".join(f"vs {name}" for name in bases)
+             + " | peak memory per worker | time to first step | checkpoint | wall |", "|---" * (6 + len(bases)) + "|"]
     for name, r in results.items():
-        lines.append(f"| {name} | {r['samples_per_s']:.1f} | {r['samples_per_s'] / base:.2f} | {r['peak_memory_mb']:,.0f} MiB "
+        ratios = " | ".join(f"{r['samples_per_s'] / results[base]['samples_per_s']:.2f}" for base in bases)
+        lines.append(f"| {name} | {r['samples_per_s']:.1f} | {ratios} | {r['peak_memory_mb']:,.0f} MiB "
                      f"| {r['first_step_s']:.1f} s | {r['checkpoint_s']:.1f} s | {r['wall_s']:.0f} s |")
     return "\n".join(lines)
 
@@ -216,8 +266,8 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=960, help="training rows (global batches x batch size)")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--max-length", type=int, default=128)
-    parser.add_argument("--workers", type=int, default=2, help="Ray Train workers")
-    parser.add_argument("--cpus-per-worker", type=int, default=1)
+    parser.add_argument("--workers", type=int, help="Ray Train workers (default: ftflow's; Ray Train DDP: 2)")
+    parser.add_argument("--cpus-per-worker", type=int, help="(default: ftflow's; Ray Train DDP: 1)")
     parser.add_argument("--only", nargs="*", help="strategies to run (default: all)")
     args = parser.parse_args()
 
@@ -225,16 +275,23 @@ def main() -> None:
     cpus = int(cluster.Resources.of_cluster().cpus)
     steps = args.rows // args.batch_size
     results: dict[str, dict] = {}
+    layout = {key: value for key, value in {"num_workers": args.workers, "cpus_per_worker": args.cpus_per_worker}.items() if value}
     with tempfile.TemporaryDirectory() as tmp:
         uris = tokenized_rows(args.model, args.max_length, args.rows, Path(tmp))
         half = steps // 2  # every strategy checkpoints once, half-way
         runs = {
-            "pytorch (baseline)": partial(pytorch, args.model, uris["train"], args.batch_size, cpus, half, False),
-            "pytorch, fused adamw": partial(pytorch, args.model, uris["train"], args.batch_size, cpus, half, True),
-            "ray train ddp": partial(ddp, args.model, uris["train"], args.batch_size, args.workers, args.cpus_per_worker, half),
+            "pytorch (baseline)": partial(in_fresh_process, baseline_process, args.model, uris["train"], args.batch_size, cpus,
+                                          half, False),
+            "pytorch, fused adamw": partial(in_fresh_process, baseline_process, args.model, uris["train"], args.batch_size,
+                                            cpus, half, True),
+            "hf trainer": partial(in_fresh_process, trainer_process, args.model, uris["train"], args.batch_size, cpus, half,
+                                  "random"),
+            "hf trainer, group_by_length": partial(in_fresh_process, trainer_process, args.model, uris["train"],
+                                                   args.batch_size, cpus, half, "group_by_length"),
+            "ray train ddp": partial(ddp, args.model, uris["train"], args.batch_size, args.workers or 2, args.cpus_per_worker or 1,
+                                     half),
         } | {
-            name: partial(ftflow, args.model, uris, args.max_length, args.batch_size, args.workers, args.cpus_per_worker, half, options,
-                          f"{tmp}/runs/{i}")
+            name: partial(ftflow, args.model, uris, args.max_length, args.batch_size, layout, half, options, f"{tmp}/runs/{i}")
             for i, (name, options) in enumerate(DEEPSPEED.items())
         }
         for name, run in runs.items():
@@ -243,9 +300,9 @@ def main() -> None:
             started = time.perf_counter()
             results[name] = run() | {"wall_s": time.perf_counter() - started}
             print(f"RESULT {name}: {json.dumps(results[name])}", flush=True)
-    print(f"\n{args.model}, {args.rows} rows, global batch {args.batch_size}, {args.workers} workers x {args.cpus_per_worker} CPU"
-          f" (baseline: 1 process x {cpus} threads), max length {args.max_length}\n")
-    print(table(results, next(iter(results))))
+    print(f"\n{args.model}, {args.rows} rows, global batch {args.batch_size}, ftflow layout {layout or 'default'}"
+          f" (baselines: 1 process x {cpus} threads), max length {args.max_length}\n")
+    print(table(results))
 
 
 if __name__ == "__main__":

@@ -104,7 +104,8 @@ def corpus(tokenized: dict[str, str], rows: int, folder: Path) -> dict[str, str]
 
 def run(uris: dict, model: str, max_length: int, steps: int, streamed: bool, folder: str) -> dict:
     tasks.train.train_worker = streamed_worker if streamed else in_memory_worker
-    cfg = TrainConfig(batch_size=32, num_workers=2, max_steps=steps, eval_every_steps=0)
+    # Batches as drawn on both sides: this compares the loaders, not length grouping (bench/strategies.py).
+    cfg = TrainConfig(batch_size=32, num_workers=2, max_steps=steps, eval_every_steps=0, length_group_batches=1)
     started = time.perf_counter()
     row = tasks.train.train.fn(uris, ModelConfig(name_or_path=model, max_length=max_length), LABELS, cfg, folder).history[-1]
     return {"samples_per_s": row.samples_per_s, "peak_memory_mb": row.peak_memory_mb, "wall_s": time.perf_counter() - started}

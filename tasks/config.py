@@ -108,7 +108,9 @@ class TrainConfig(Strict):
     num_workers: int | None = Field(None, ge=1, description="Ray Train workers, a request the cluster is asked to satisfy (an autoscaler "
                                                          "adds nodes for it); default: one per GPU, else one per cpus_per_worker CPUs, it has now.")
     device: Device = Field("auto", description=DEVICE)
-    cpus_per_worker: float = Field(1, gt=0, description="CPUs per worker (torch threads: its whole part, at least 1).")
+    cpus_per_worker: float | None = Field(None, gt=0, description="CPUs per worker (torch threads: its whole part, at least 1); default: "
+                                                                   "on one machine's CPUs all it gives ftflow (shared among num_workers when "
+                                                                   "set), else 1.")
     zero_stage: Literal[0, 1, 2, 3] = Field(
         0,
         description="DeepSpeed ZeRO: 0 replicates the model (fastest while it fits: 16 bytes per fp32 parameter); "
@@ -133,7 +135,10 @@ class TrainConfig(Strict):
     eval_every_steps: int = Field(100, ge=0, description="Also evaluate on the validation split every N optimizer steps (0: at epoch ends only).")
     checkpoint_every_steps: int = Field(0, ge=0, description="Also checkpoint the DeepSpeed state every N optimizer steps (0: at epoch ends only).")
     shuffle_buffer_rows: int = Field(2048, ge=1, description="Training rows a worker shuffles among each epoch, after one seeded shuffle of the whole split.")
-    prefetch_batches: int = Field(1, ge=0, description="Micro-batches a worker prepares ahead: with micro-batch size and the shuffle buffer, "
+    length_group_batches: int = Field(50, ge=1, description="Length grouping: the rows of this many micro-batches are drawn at a time, "
+                                                            "sorted by length and cut into micro-batches that train in a seeded random "
+                                                            "order, so a batch pads little (as the HF Trainer's group_by_length); 1: off.")
+    prefetch_batches: int = Field(1, ge=0, description="Micro-batches a worker prepares ahead: with its length group and the shuffle buffer, "
                                                       "what its data costs in memory, whatever the corpus size.")
     wait_for_workers_s: float = Field(600, gt=0, description="How long the cluster may take to make room for every worker "
                                                              "(nodes to start) before the run fails saying what did not come.")

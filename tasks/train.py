@@ -43,10 +43,21 @@ def cpu_has_native_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+def worker_cpus(cfg: TrainConfig, resources: cluster.Resources, use_gpu: bool) -> float:
+    """cpus_per_worker, else 1 beside a GPU or on a cluster of several nodes (or one that grows); on
+    one machine's CPUs all of ftflow's share, or with num_workers set, that share divided among them.
+    On one 2-core machine 1 worker x 2 threads trained 1.16x faster than 2 workers x 1 thread
+    (bench/RESULTS.md): no gradient all-reduce, no step waiting for the slower worker."""
+    if cfg.cpus_per_worker or use_gpu or resources.can_grow or resources.node_cpus < resources.cpus:
+        return cfg.cpus_per_worker or 1
+    return resources.task_cpus() if cfg.num_workers is None else max(1, int(resources.cpus // cfg.num_workers))
+
+
 def plan(cfg: TrainConfig, resources: cluster.Resources) -> Plan:
     """Resolve device, workers, micro-batch, accumulation and precision, or say what to change."""
     use_gpu = resources.use_gpu(cfg.device)
-    workers = resources.training_workers(cfg.num_workers, cfg.cpus_per_worker, use_gpu)
+    cpus_per_worker = worker_cpus(cfg, resources, use_gpu)
+    workers = resources.training_workers(cfg.num_workers, cpus_per_worker, use_gpu)
     micro = cfg.micro_batch_size or cfg.batch_size // workers
     if micro < 1 or cfg.batch_size % (workers * micro):
         raise ValueError(
@@ -58,8 +69,8 @@ def plan(cfg: TrainConfig, resources: cluster.Resources) -> Plan:
     if not use_gpu and cfg.activation_offload:
         raise ValueError("activation_offload moves GPU activations to CPU memory and this run trains on CPUs: set it false, or device=gpu")
     precision = "fp32" if cfg.precision == "auto" and not use_gpu else cfg.precision
-    return Plan(workers=workers, micro_batch=micro, accumulation=cfg.batch_size // (workers * micro), use_gpu=use_gpu,
-                precision=precision)
+    return Plan(workers=workers, cpus_per_worker=cpus_per_worker, micro_batch=micro,
+                accumulation=cfg.batch_size // (workers * micro), use_gpu=use_gpu, precision=precision)
 
 
 def merge(base: dict, override: dict) -> dict:
@@ -175,7 +186,7 @@ def fit(tokenized: dict[str, str], model: ModelConfig, label_names: list[str], c
         datasets={"train": train_rows.random_shuffle(seed=cfg.seed), "validation": validation_rows},
         dataset_config=data_config(),
         scaling_config=ScalingConfig(
-            num_workers=the_plan.workers, use_gpu=the_plan.use_gpu, resources_per_worker={"CPU": cfg.cpus_per_worker}
+            num_workers=the_plan.workers, use_gpu=the_plan.use_gpu, resources_per_worker={"CPU": the_plan.cpus_per_worker}
         ),
         torch_config=TorchConfig(backend="nccl" if the_plan.use_gpu else "gloo"),
         run_config=RunConfig(
@@ -195,7 +206,7 @@ def fit(tokenized: dict[str, str], model: ModelConfig, label_names: list[str], c
         if not isinstance(error.controller_failure, WorkerGroupStartupTimeoutError):
             raise
         gpu = " and 1 GPU" if the_plan.use_gpu else ""
-        raise RuntimeError(f"the Ray cluster did not make room for {the_plan.workers} training worker(s) of {cfg.cpus_per_worker:g} CPU"
+        raise RuntimeError(f"the Ray cluster did not make room for {the_plan.workers} training worker(s) of {the_plan.cpus_per_worker:g} CPU"
                            f"{gpu} each within wait_for_workers_s={cfg.wait_for_workers_s:g}: no node can hold one, or none was "
                            "added in time; see `ray status`") from None
     result = Result.model_validate(storage.read_json(storage.join(model_uri, STATE_FILE)))

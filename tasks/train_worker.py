@@ -10,8 +10,10 @@ splits the stream into equal parts, one per worker (`get_dataset_shard`). The dr
 with fewer ignored rows than there are workers, so the equal split drops no row and every worker
 runs the same number of micro-batches. The training split is shuffled once by Ray Data with the
 seed (the same permutation every epoch), then within a buffer of `shuffle_buffer_rows` rows with a
-seed of (seed, epoch, worker): the order of every epoch follows from the seed alone. A worker holds
-its micro-batch, `prefetch_batches` more and the shuffle buffer, whatever the corpus size.
+seed of (seed, epoch, worker): the order of every epoch follows from the seed alone. Rows are then
+drawn `length_group_batches` micro-batches at a time, sorted by length, cut into micro-batches and
+trained in a seeded random order (most of a batch's padding was compute spent on nothing). A worker
+holds its group, `prefetch_batches` more and the shuffle buffer, whatever the corpus size.
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ import tempfile
 import time
 import warnings
 from contextlib import nullcontext
-from functools import partial
 from itertools import islice
 from pathlib import Path
 
@@ -49,6 +50,7 @@ class Plan(BaseModel, frozen=True):
     """How a TrainConfig lands on the cluster (tasks/train.py `plan`)."""
 
     workers: int
+    cpus_per_worker: float
     micro_batch: int
     accumulation: int
     use_gpu: bool
@@ -56,7 +58,7 @@ class Plan(BaseModel, frozen=True):
 
     def describe(self, cfg: TrainConfig) -> str:
         device = "GPU" if self.use_gpu else "CPU"
-        return (f"{self.workers} {device} worker(s) x micro-batch {self.micro_batch} x accumulation {self.accumulation}"
+        return (f"{self.workers} {device} worker(s) of {self.cpus_per_worker:g} CPU x micro-batch {self.micro_batch} x accumulation {self.accumulation}"
                 f" = global batch {cfg.batch_size}, ZeRO-{cfg.zero_stage}, {self.precision}")
 
 
@@ -130,14 +132,31 @@ def collate(batch: dict[str, np.ndarray], pad_id: int) -> dict[str, torch.Tensor
             "labels": torch.tensor(batch["label"]), "row": torch.tensor(batch["row"])}  # copies: Ray's arrays are read-only
 
 
+def by_length(group: list[dict[str, np.ndarray]], pad_id: int) -> list[dict[str, torch.Tensor]]:
+    """Micro-batches of rows -> as many micro-batches of the same sizes, of the same rows sorted by
+    length (shortest first), each padded to its own longest row."""
+    rows = {key: np.concatenate([batch[key] for batch in group]) for key in group[0]}
+    order = np.argsort(np.fromiter(map(len, rows["input_ids"]), np.int64, len(rows["input_ids"])), kind="stable")
+    ends = np.cumsum([len(batch["row"]) for batch in group])
+    return [collate({key: column[part] for key, column in rows.items()}, pad_id) for part in np.split(order, ends[:-1])]
+
+
 def batches(split: str, micro_batch: int, cfg: TrainConfig, pad_id: int, epoch: int | None = None):
-    """This worker's micro-batches of a split for one pass; shuffled in a seeded buffer when an epoch is given."""
+    """This worker's micro-batches of a split for one pass, `length_group_batches` at a time grouped by
+    length. For an epoch of training, rows come from a seeded shuffle buffer and each group's batches
+    go in an order drawn from (seed, epoch) alone: the same on every worker, so the workers' batches
+    at one step are of like width (a step waits for its slowest worker)."""
     rank = ray.train.get_context().get_world_rank()
     shuffle = {} if epoch is None else {"local_shuffle_buffer_size": cfg.shuffle_buffer_rows,
                                         "local_shuffle_seed": hash((cfg.seed, epoch, rank)) % 2**32}
-    return ray.train.get_dataset_shard(split).iter_torch_batches(
-        batch_size=micro_batch, collate_fn=partial(collate, pad_id=pad_id), prefetch_batches=cfg.prefetch_batches,
-        device="cpu", **shuffle)
+    order = None if epoch is None else np.random.default_rng([cfg.seed, epoch])
+    drawn = iter(ray.train.get_dataset_shard(split).iter_batches(
+        batch_size=micro_batch, batch_format="numpy", prefetch_batches=cfg.prefetch_batches, **shuffle))
+    # Grouped here rather than by asking Ray for batches of the group's size: its shuffle buffer then
+    # yielded a short batch mid-stream (22 micro-batches on one worker, 21 on the others).
+    for group in iter(lambda: list(islice(drawn, cfg.length_group_batches)), []):
+        grouped = by_length(group, pad_id)  # every worker draws as many micro-batches, so as many per group
+        yield from grouped if order is None else (grouped[i] for i in order.permutation(len(grouped)))
 
 
 def forward(engine, batch: dict, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -257,7 +276,7 @@ def setup(spec: WorkerSpec) -> tuple:
     warnings.filterwarnings("ignore", category=FutureWarning)  # torch.distributed renames used by DeepSpeed
     deepspeed.utils.logger.setLevel(logging.WARNING)
     set_seed(spec.train.seed)
-    torch.set_num_threads(max(1, int(spec.train.cpus_per_worker)))
+    torch.set_num_threads(max(1, int(spec.plan.cpus_per_worker)))
     device = ray.train.torch.get_device()
     if spec.plan.precision == "auto":  # on GPU: bf16 where the hardware has it
         precision = "bf16" if torch.cuda.is_bf16_supported() else "fp16"
@@ -265,6 +284,10 @@ def setup(spec: WorkerSpec) -> tuple:
                                                                       "fp16": {"enabled": precision == "fp16"}}})
     if spec.deepspeed["bf16"]["enabled"] and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise ValueError(f"precision=bf16 but {torch.cuda.get_device_name()} has no bf16: use fp16 or auto")
+    # DeepSpeed builds its shared-memory collective op at every init_distributed on CPU (~30 s of
+    # compile on a fresh machine) for DeepSpeed-Inference's all-reduce alone: training's collectives
+    # go through torch.distributed. Marked unavailable, it is not built (DeepSpeed keeps this dict).
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
     tokenizer = AutoTokenizer.from_pretrained(spec.model)
     tokenizer.model_max_length = spec.max_length  # the exported tokenizer truncates as training did

@@ -15,9 +15,13 @@ GPUS_ON_DEMAND = Resources(cpus=0, gpus=0, node_cpus=0, can_grow=True)
 
 
 def test_defaults_fit_the_machine_with_no_accumulation():
+    """One worker with every CPU on one machine (no all-reduce); one worker per CPU on several nodes."""
     p = plan(TrainConfig(), LAPTOP)
-    assert (p.workers, p.micro_batch, p.accumulation, p.use_gpu, p.precision) == (2, 16, 1, False, "fp32")
-    assert p.describe(TrainConfig()) == "2 CPU worker(s) x micro-batch 16 x accumulation 1 = global batch 32, ZeRO-0, fp32"
+    assert (p.workers, p.cpus_per_worker, p.micro_batch, p.accumulation, p.use_gpu, p.precision) == (1, 2, 32, 1, False, "fp32")
+    assert p.describe(TrainConfig()) == "1 CPU worker(s) of 2 CPU x micro-batch 32 x accumulation 1 = global batch 32, ZeRO-0, fp32"
+    assert (plan(TrainConfig(num_workers=2), LAPTOP).cpus_per_worker, plan(TrainConfig(cpus_per_worker=0.5), LAPTOP).workers) == (1, 4)
+    two_nodes = plan(TrainConfig(), Resources(cpus=16, gpus=0, node_cpus=8))
+    assert (two_nodes.workers, two_nodes.cpus_per_worker, two_nodes.micro_batch) == (16, 1, 2)
 
 
 def test_accumulation_is_what_the_global_batch_leaves_over():
