@@ -35,6 +35,7 @@ def new_run_id() -> str:
 def finetune(params: FinetuneParams = FinetuneParams()) -> dict:
     """Fine-tune a Hugging Face classifier and label a corpus with it."""
     reap_on_exit()  # this process's Prefect server and local Ray end with it, even if it is killed
+    took = Stopwatch()
     store = RunStore(params.storage_root, params.run_id or new_run_id())
     splits = load_splits(params.data)  # bad input stops here, before Ray or storage are touched
     inference = params.inference.model_copy(update={"input_uri": params.inference.input_uri or list(splits["test"].uris),
@@ -48,7 +49,6 @@ def finetune(params: FinetuneParams = FinetuneParams()) -> dict:
     read = {**{f"data.{name}": list(split.uris) for name, split in splits.items()}, "inference.input_uri": to_label}
     cluster.refuse_local_paths({"storage_root": [params.storage_root], **read}, params.storage_shared, params.ray_address)
 
-    took = Stopwatch()
     with took("tokenize"):
         tokenized = tokenize.with_options(refresh_cache=not key.shards_exist())(
             key, splits, params.model.name_or_path, params.ray_address)
@@ -62,6 +62,7 @@ def finetune(params: FinetuneParams = FinetuneParams()) -> dict:
     with took("batch inference"):
         predictions = predict_files.with_options(timeout_seconds=inference.timeout_s)(store.model_dir, inference, store.predictions, params.ray_address)
 
+    took.fixed_costs(training.first_step_at)
     config = params.model_dump(mode="json")
     outputs = {"tokenized": tokenized, "checkpoints": store.train_dir, "model": store.model_dir, "metrics": store.metrics,
                "predictions": predictions, "report": store.report, "manifest": store.manifest}

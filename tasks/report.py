@@ -26,17 +26,26 @@ PLOTS = {"training": "training.png", "confusion": "confusion-matrix.png"}
 
 
 class Stopwatch:
-    """Wall seconds per stage of a flow. Prefect records task-run times too, but its API holds them
-    only once its event pipeline has caught up, so a report reading them at the end would race it."""
+    """Wall seconds per stage of a flow, and its fixed costs around training. Prefect records task-run
+    times too, but its API holds them only once its event pipeline has caught up, so a report reading
+    them at the end would race it."""
 
     def __init__(self) -> None:
-        self.seconds: dict[str, float] = {}
+        self.started, self.ended, self.seconds = time.time(), {}, {}
 
     @contextmanager
     def __call__(self, stage: str) -> Iterator[None]:
-        started = time.perf_counter()
+        started = time.time()
         yield
-        self.seconds[stage] = round(time.perf_counter() - started, 2)
+        self.ended[stage] = time.time()
+        self.seconds[stage] = round(self.ended[stage] - started, 2)
+
+    def fixed_costs(self, first_step_at: float | None) -> None:
+        """From the flow's start to training's first step (the workers' clock: NTP keeps nodes within
+        milliseconds), and from training's end to now, the report."""
+        if first_step_at:  # a re-run of a finished run takes no step
+            self.seconds["start to first training step"] = round(first_step_at - self.started, 2)
+        self.seconds["training's end to the report"] = round(time.time() - self.ended["train"], 2)
 
 
 def png(figure: Figure) -> bytes:

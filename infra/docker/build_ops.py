@@ -1,5 +1,5 @@
 """Compile DeepSpeed ops ahead of time into TORCH_EXTENSIONS_DIR, for the accelerator DS_ACCELERATOR
-names: `python infra/docker/build_ops.py CPUAdamBuilder ShareMemCommBuilder`. DeepSpeed's JIT
+names: `python infra/docker/build_ops.py CPUAdamBuilder`. DeepSpeed's JIT
 loader finds them there at run time instead of compiling again."""
 
 import sys
