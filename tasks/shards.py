@@ -7,11 +7,9 @@ seconds sooner (and ~250 MiB smaller).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from itertools import accumulate
 
-import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 from tokenizers import Tokenizer
@@ -49,26 +47,19 @@ def shards(splits: dict[str, Split], cpus: int) -> list[Shard]:
     return found
 
 
-def write_shards(shards: list[Shard], schema: Schema, tokenizer: Tokenizer, targets: dict[str, str],
-                 job: str) -> Callable[[pd.DataFrame], Iterator[dict]]:
-    """A Ray Data UDF: shard numbers in; each shard's rows, checked and tokenized a chunk
-    (CHUNK_ROWS) at a time, streamed into one Parquet file of (row, label, input_ids) under its
-    split's target, a row group per chunk; (split, rows written) out. Named by the job (the output
-    folder's record of its files) and the shard's number, a retried task overwrites its own file."""
-    folders = {name: storage.pyarrow_filesystem(target) for name, target in targets.items()}
-
-    def run(batch: pd.DataFrame) -> Iterator[dict]:
-        for number in batch["shard"]:
-            shard, rows = shards[number], 0
-            path, filesystem = folders[shard.split]
-            with pq.ParquetWriter(f"{path}/{job}_{shard.index:05d}.parquet", SHARD_SCHEMA, filesystem=filesystem) as out:
-                for piece in shard.pieces:
-                    for frame in labelled_frames(piece.uri, schema, piece=piece):
-                        ids = [encoding.ids for encoding in tokenizer.encode_batch(frame["text"].tolist())]
-                        row = piece.first_row - piece.file_row + frame.index.to_numpy()  # the file's row -> the split's
-                        out.write_table(pa.table({"row": row, "label": frame["label"].to_numpy(), "input_ids": ids},
-                                                 schema=SHARD_SCHEMA))
-                        rows += len(frame)
-            yield {"split": [shard.split], "rows": [rows]}
-
-    return run
+def write_shard(shard: Shard, schema: Schema, tokenizer: Tokenizer, target: str, job: str) -> int:
+    """One shard's rows, checked and tokenized a chunk (CHUNK_ROWS) at a time, streamed into one
+    Parquet file of (row, label, input_ids) under target, a row group per chunk; returns the rows
+    written. Named by the job (the output folder's record of its files) and the shard's number, a
+    retried task overwrites its own file."""
+    path, filesystem = storage.pyarrow_filesystem(target)
+    rows = 0
+    with pq.ParquetWriter(f"{path}/{job}_{shard.index:05d}.parquet", SHARD_SCHEMA, filesystem=filesystem) as out:
+        for piece in shard.pieces:
+            for frame in labelled_frames(piece.uri, schema, piece=piece):
+                ids = [encoding.ids for encoding in tokenizer.encode_batch(frame["text"].tolist())]
+                row = piece.first_row - piece.file_row + frame.index.to_numpy()  # the file's row -> the split's
+                out.write_table(pa.table({"row": row, "label": frame["label"].to_numpy(), "input_ids": ids},
+                                         schema=SHARD_SCHEMA))
+                rows += len(frame)
+    return rows
