@@ -164,7 +164,7 @@ class InferenceConfig(Strict):
     text_column: str | None = Field(None, description="Default: the data's text column.")
     id_column: str | None = Field(None, description="Column holding row ids; default: '<file>:<row>'.")
     batch_size: int = Field(64, ge=1)
-    actors: int | None = Field(None, ge=1, description="Model replicas, a request like train.num_workers; default: one per GPU, else one per CPU, it has now.")
+    actors: int | None = Field(None, ge=1, description="Model replicas, a request like train.num_workers; default: one per GPU, else one per CPU, it has now (one for fewer than 4,000 rows).")
     device: Device = Field("auto", description=DEVICE)
     wait_for_actors_s: float = Field(600, gt=0, description="How long the cluster may take to start every replica before the run fails.")
     window_rows: int = Field(WINDOW_ROWS, ge=1, description="Rows sorted by length and labelled together: with batch_size, bounds memory per actor.")

@@ -25,6 +25,11 @@ from tasks.retries import RETRY_TRANSIENT
 
 PROGRESS_EVERY_S = 10.0
 WINDOWS_PER_ACTOR = 4  # at least, so that the last, partial window is a small share of any actor's work
+# Fewer rows than this (estimated), and unless `actors` says otherwise, one actor takes every CPU:
+# a second actor's start (torch, transformers and the model, beside the first's) costs more than
+# it labels. all-MiniLM-L6-v2 on 2 cores: 1,066 rows in 10.1-10.9 s with one actor against 15.4 s
+# with two; 4,000 rows in 24.4 s against 25.0 s.
+ONE_ACTOR_ROWS = 4_000
 
 
 @ray.remote(num_cpus=0)
@@ -99,12 +104,14 @@ def labelled(model_uri: str, cfg: InferenceConfig, output_uri: str) -> dict:
     files = checked_inputs(model_uri, cfg, output_uri)
     text_column, id_column, output = cfg.text_column or "text", cfg.id_column, storage.OutputFolder(output_uri)
     base = os.path.commonpath(files) if len(files) > 1 else ""
+    sizes = {uri: storage.size(uri) for uri in files}  # once: for the actors, the progress estimate and its reports
+    rows = estimated_rows(sizes)
     resources = cluster.Resources.of_cluster()
-    actors, cpus, gpus = resources.inference_actors(cfg.actors, resources.use_gpu(cfg.device))
+    actors, cpus, gpus = resources.inference_actors(cfg.actors or (1 if rows < ONE_ACTOR_ROWS else None),
+                                                    resources.use_gpu(cfg.device))
     job = output.start()  # a re-run replaces exactly what an earlier job here wrote, complete or not
     out_path, out_fs = storage.pyarrow_filesystem(output_uri)
-    sizes = {uri: storage.size(uri) for uri in files}  # once: for the progress estimate and its reports
-    window = balanced_window(cfg.window_rows, cfg.batch_size, actors, sizes)
+    window = balanced_window(cfg.window_rows, cfg.batch_size, actors, rows)
     logger, progress, started = jobs.log, Progress.remote(), time.perf_counter()
     # Ray Data waits for an actor pool's replicas forever unless told otherwise: a pool no node can
     # hold (or that the autoscaler does not add in time) fails instead, below.
@@ -159,11 +166,15 @@ def refused_pool(actors: int, cpus: float, gpus: int, wait_s: float) -> Iterator
                            "see `ray status`") from None
 
 
-def balanced_window(window_rows: int, batch_size: int, actors: int, sizes: dict[str, int]) -> int:
+def estimated_rows(sizes: dict[str, int]) -> float:
+    """The corpus's rows, from the first file's rows per byte times the corpus's bytes (counting
+    them would read the corpus twice)."""
+    return rows_per_byte(next(iter(sizes))) * sum(sizes.values())
+
+
+def balanced_window(window_rows: int, batch_size: int, actors: int, rows: float) -> int:
     """window_rows, or fewer rows for a small corpus so every actor gets WINDOWS_PER_ACTOR windows:
-    10,000 rows in windows of 8,192 made one of two actors label 80% of them. Never below a batch.
-    Rows are estimated from the first file's rows per byte times the corpus's bytes."""
-    rows = rows_per_byte(next(iter(sizes))) * sum(sizes.values())
+    10,000 rows in windows of 8,192 made one of two actors label 80% of them. Never below a batch."""
     return int(max(batch_size, min(window_rows, rows // (actors * WINDOWS_PER_ACTOR))))
 
 
