@@ -2,8 +2,9 @@
 
     <root>/models/<name>/champion   JSON: the champion's model URI, its run, its score on the test split
 
-A new model is compared with the current champion on the same test split: the champion is scored
-again on the split this run evaluated, so a changed split favours neither. It is promoted only when
+A new model is compared with the current champion on the same test split: the champion's score
+recorded at its promotion when that was on the same rows, else the champion scored again on the
+split this run evaluated, so a changed split favours neither. It is promoted only when
 its metric is at least the champion's plus the margin, by replacing the pointer in one write
 (readers see the old champion or the new one, never a mix). A model that loses leaves the pointer
 untouched, and the decision says why.
@@ -15,6 +16,8 @@ says which run's model became champion meanwhile (its next run compares with tha
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import re
 from datetime import datetime, timezone
 
@@ -46,6 +49,20 @@ def resolve(model_uri: str, root: str) -> str:
     return storage.read_json(pointer)["model_uri"]
 
 
+def reading(split: Split) -> dict:
+    """How the split's bytes were read into rows (format, columns, label names), as JSON holds it."""
+    return json.loads(json.dumps(dataclasses.asdict(split.schema)))
+
+
+def champions_score(current: dict, test: Split, metric: str, ray_address: str | None) -> float:
+    """The champion's metric on this test split: as recorded at its promotion when that was on these
+    very rows (same bytes, read the same way; the main job's re-score took 4.4 s of model start and
+    prediction), else scored again."""
+    if (current.get("test_sha256"), current.get("test_reading"), current["metric"]) == (test.sha256, reading(test), metric):
+        return current["value"]
+    return jobs.run(score, ray_address, get_run_logger(), model_uri=current["model_uri"], test=test)[metric]
+
+
 @task(**RETRY_TRANSIENT)
 def promote(model_uri: str, metrics: dict, test: Split, cfg: PromotionConfig, root: str, run_id: str,
             ray_address: str | None = None) -> dict:
@@ -56,12 +73,12 @@ def promote(model_uri: str, metrics: dict, test: Split, cfg: PromotionConfig, ro
     if current is None:
         champion, promoted, why = None, True, "no champion yet"
     else:
-        champion = jobs.run(score, ray_address, get_run_logger(), model_uri=current["model_uri"], test=test)[cfg.metric]
+        champion = champions_score(current, test, cfg.metric, ray_address)
         promoted = challenger >= champion + cfg.margin
         why = (f"{cfg.metric} {challenger:.4f} {'>=' if promoted else '<'} the champion's {champion:.4f} "
                f"+ margin {cfg.margin:g}, on the same test split")
     record = {"model_uri": model_uri, "run_id": run_id, "metric": cfg.metric, "value": challenger, "test_sha256": test.sha256,
-              "promoted_at": datetime.now(timezone.utc).isoformat()}
+              "test_reading": reading(test), "promoted_at": datetime.now(timezone.utc).isoformat()}
     verdict = f"promoted to champion of `{cfg.model_name}`" if promoted else f"not promoted: `{cfg.model_name}`'s champion stays"
     if promoted and not storage.swap_json(pointer, version, record):
         winner = storage.read_json(pointer)

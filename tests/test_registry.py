@@ -3,6 +3,7 @@ champion untouched and says so, and batch inference takes `models/<name>@champio
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import threading
 import uuid
@@ -44,6 +45,20 @@ def test_a_model_that_loses_leaves_the_champion_untouched(ray_cluster, tiny_mode
     out = batch_infer("models/rt@champion", str(small_data["test"]), str(tmp_path / "labelled"), storage_root=root)
     assert out["rows"] == 128 and len(pq.read_table(tmp_path / "labelled")) == 128
     assert storage.read_json(str(tmp_path / "labelled" / MARKER))["model"]["uri"] == f"{first['run_dir']}/model"
+
+
+def test_the_champion_is_scored_again_only_on_a_test_split_other_than_its_own(ray_cluster, tiny_model, small_data, tmp_path):
+    """Its score recorded at promotion stands for the same rows read the same way; other rows, or the
+    same bytes with other label names, score it again."""
+    root, cfg = str(tmp_path / "store"), PromotionConfig(model_name="rt")
+    splits = load_splits(DataConfig(train_uri=str(small_data["train"]), validation_uri=str(small_data["validation"]),
+                                    test_uri=str(small_data["test"])))
+    promote(str(tiny_model), {"accuracy": 0.123}, splits["test"], cfg, root, "first")  # a score it never had: recorded
+    assert promote("challenger", {"accuracy": 0.1}, splits["test"], cfg, root, "same")["champion"] == 0.123
+    rescored = promote("challenger", {"accuracy": 0.1}, splits["validation"], cfg, root, "other")["champion"]
+    assert rescored != 0.123 and 0 <= rescored <= 1
+    relabelled = dataclasses.replace(splits["test"], schema=dataclasses.replace(splits["test"].schema, label_names=("pos", "neg")))
+    assert promote("challenger", {"accuracy": 0.1}, relabelled, cfg, root, "relabelled")["champion"] != 0.123
 
 
 def test_an_unknown_champion_is_refused_with_where_it_was_looked_for(tmp_path):
