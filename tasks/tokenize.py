@@ -107,12 +107,19 @@ def _tokenize_splits(splits: dict[str, Split], tokenizer: Tokenizer, targets: di
     cpus = max(1, int(cluster.Resources.of_cluster().cpus))
     schema, tokenizer = ray.put(splits["train"].schema), ray.put(tokenizer)
     running, written = {}, dict.fromkeys(SPLITS, 0)
-    for shard in shards(splits, cpus):
-        if len(running) == cpus:
+    try:
+        for shard in shards(splits, cpus):
+            if len(running) == cpus:
+                collect(running, written)
+            running[write.remote(shard, schema, tokenizer, targets[shard.split], job)] = shard.split
+        while running:
             collect(running, written)
-        running[write.remote(shard, schema, tokenizer, targets[shard.split], job)] = shard.split
-    while running:
-        collect(running, written)
+    except BaseException:
+        # A shard failed (or the run was stopped): the others must not write on into the folder a
+        # retry is about to claim, where a file finished afterwards would join the next set's rows.
+        for task in running:
+            ray.cancel(task, force=True)
+        raise
     return written
 
 
