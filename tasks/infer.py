@@ -111,7 +111,7 @@ def labelled(model_uri: str, cfg: InferenceConfig, output_uri: str) -> dict:
                                                     resources.use_gpu(cfg.device))
     job = output.start()  # a re-run replaces exactly what an earlier job here wrote, complete or not
     out_path, out_fs = storage.pyarrow_filesystem(output_uri)
-    window = balanced_window(cfg.window_rows, cfg.batch_size, actors, rows)
+    window = balanced_window(cfg.window_rows, cfg.batch_size, actors, rows, len(files))
     logger, progress, started = jobs.log, Progress.remote(), time.perf_counter()
     # Ray Data waits for an actor pool's replicas forever unless told otherwise: a pool no node can
     # hold (or that the autoscaler does not add in time) fails instead, below.
@@ -172,10 +172,13 @@ def estimated_rows(sizes: dict[str, int]) -> float:
     return rows_per_byte(next(iter(sizes))) * sum(sizes.values())
 
 
-def balanced_window(window_rows: int, batch_size: int, actors: int, rows: float) -> int:
-    """window_rows, or fewer rows for a small corpus so every actor gets WINDOWS_PER_ACTOR windows:
-    10,000 rows in windows of 8,192 made one of two actors label 80% of them. Never below a batch."""
-    return int(max(batch_size, min(window_rows, rows // (actors * WINDOWS_PER_ACTOR))))
+def balanced_window(window_rows: int, batch_size: int, actors: int, rows: float, files: int) -> int:
+    """window_rows, or fewer rows for a small corpus so every actor gets WINDOWS_PER_ACTOR windows
+    (10,000 rows in windows of 8,192 made one of two actors label 80% of them), and no more than a
+    file's rows on average: Ray Data hands an actor whole blocks (a file's rows, or a window of
+    them) until they make a window, so 16 files of 625 rows in windows of 1,254 went out three files
+    at a time, six calls for two actors, 5,625 rows to one and 4,375 to the other. Never below a batch."""
+    return int(max(batch_size, min(window_rows, rows // (actors * WINDOWS_PER_ACTOR), rows // files)))
 
 
 @contextmanager

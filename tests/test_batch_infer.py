@@ -105,15 +105,18 @@ def test_a_million_rows_over_many_files_get_one_prediction_each(ray_cluster, tin
 
 
 def test_a_small_corpus_is_split_into_windows_for_every_actor(corpus):
-    """10,000 rows in windows of 8,192 would leave one of two actors 80% of the work."""
+    """10,000 rows in windows of 8,192 would leave one of two actors 80% of the work; windows larger
+    than the files would go out as bundles of whole files, unevenly."""
     jsonl, parquet = corpus / "a.jsonl", corpus / "c.parquet"
     per_row = {str(jsonl): jsonl.stat().st_size / 300, str(parquet): parquet.stat().st_size / 100}
     for uri, size in per_row.items():
         ten_thousand_rows = infer.estimated_rows({uri: size * 10_000})
         assert ten_thousand_rows == pytest.approx(10_000, rel=0.01)
-        assert infer.balanced_window(8192, 64, actors=2, rows=ten_thousand_rows) == pytest.approx(10_000 / 8, rel=0.01)
-        assert infer.balanced_window(8192, 64, actors=2, rows=100 * ten_thousand_rows) == 8192
-        assert infer.balanced_window(8192, 64, actors=100, rows=ten_thousand_rows) == 64  # never below a batch
+        assert infer.balanced_window(8192, 64, actors=2, rows=ten_thousand_rows, files=1) == pytest.approx(10_000 / 8, rel=0.01)
+        assert infer.balanced_window(8192, 64, actors=2, rows=100 * ten_thousand_rows, files=1) == 8192
+        assert infer.balanced_window(8192, 64, actors=100, rows=ten_thousand_rows, files=1) == 64  # never below a batch
+        # 16 files of 625 rows: a window per file, so the actors' calls are whole files and as many each.
+        assert infer.balanced_window(8192, 64, actors=2, rows=ten_thousand_rows, files=16) == pytest.approx(625, rel=0.01)
 
 
 def test_a_job_killed_mid_way_and_run_again_labels_every_row_once(ray_stopped, tiny_model, tmp_path):
