@@ -32,7 +32,7 @@ from tasks.predictor import truncating
 from tasks.retries import RETRY_TRANSIENT
 from tasks.shards import SPLITS, shards, write_shard
 
-
+# One Ray task per shard; the function lives in tasks/shards.py, so the workers import no Prefect.
 write = ray.remote(num_cpus=cluster.READ_CPUS)(write_shard)
 
 
