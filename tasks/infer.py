@@ -105,13 +105,13 @@ def labelled(model_uri: str, cfg: InferenceConfig, output_uri: str) -> dict:
     text_column, id_column, output = cfg.text_column or "text", cfg.id_column, storage.OutputFolder(output_uri)
     base = os.path.commonpath(files) if len(files) > 1 else ""
     sizes = {uri: storage.size(uri) for uri in files}  # once: for the actors, the progress estimate and its reports
-    rows = estimated_rows(sizes)
+    estimate = estimated_rows(sizes)
     resources = cluster.Resources.of_cluster()
-    actors, cpus, gpus = resources.inference_actors(cfg.actors or (1 if rows < ONE_ACTOR_ROWS else None),
+    actors, cpus, gpus = resources.inference_actors(cfg.actors or (1 if estimate < ONE_ACTOR_ROWS else None),
                                                     resources.use_gpu(cfg.device))
     job = output.start()  # a re-run replaces exactly what an earlier job here wrote, complete or not
     out_path, out_fs = storage.pyarrow_filesystem(output_uri)
-    window = balanced_window(cfg.window_rows, cfg.batch_size, actors, rows, len(files))
+    window = balanced_window(cfg.window_rows, cfg.batch_size, actors, estimate, len(files))
     logger, progress, started = jobs.log, Progress.remote(), time.perf_counter()
     # Ray Data waits for an actor pool's replicas forever unless told otherwise: a pool no node can
     # hold (or that the autoscaler does not add in time) fails instead, below.
