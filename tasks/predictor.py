@@ -17,6 +17,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreT
 
 from tasks import storage
 from tasks.data import Split, labelled_frames
+from tasks.first_token import last_layer_at_first_token
 
 
 def local_model(model_uri: str) -> str:
@@ -61,6 +62,7 @@ class Predictor:
         dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         tokenizer = AutoTokenizer.from_pretrained(folder)
         self.model = AutoModelForSequenceClassification.from_pretrained(folder, dtype=dtype).to(self.device).eval()
+        last_layer_at_first_token(self.model)
         self.label_names = [self.model.config.id2label[i] for i in range(self.model.config.num_labels)]
         self.batch_size = batch_size
         max_length = min(tokenizer.model_max_length, getattr(self.model.config, "max_position_embeddings", 512))

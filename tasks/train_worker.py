@@ -40,6 +40,7 @@ from transformers.integrations.deepspeed import HfDeepSpeedConfig
 
 from tasks import storage
 from tasks.config import TrainConfig
+from tasks.first_token import last_layer_at_first_token
 from tasks.predictor import padded
 
 STATE_FILE = "training_state.json"  # beside the exported model: the history, the curve, the validation predictions
@@ -259,6 +260,7 @@ def build_model(spec: WorkerSpec):
     names = spec.label_names
     model = AutoModelForSequenceClassification.from_pretrained(
         spec.model, num_labels=len(names), id2label=dict(enumerate(names)), label2id={name: i for i, name in enumerate(names)})
+    last_layer_at_first_token(model)
     if spec.train.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
