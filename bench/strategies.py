@@ -53,6 +53,7 @@ from tasks.train import train  # noqa: E402
 from tasks.train_worker import collate, param_groups  # noqa: E402
 
 LABELS = ["negative", "positive"]
+LEARNING_RATE = 1e-4  # every row alike: the speed compared does not depend on it
 DEEPSPEED = {
     "zero0 (default)": {"zero_stage": 0},
     "zero0, no length grouping": {"zero_stage": 0, "length_group_batches": 1},
@@ -102,7 +103,7 @@ def hand_written_loop(model_path: str, rows: list[dict], micro_batch: int, steps
     model = AutoModelForSequenceClassification.from_pretrained(model_path, num_labels=len(LABELS))
     if world[0] > 1:
         model = torch.nn.parallel.DistributedDataParallel(model)
-    optimizer = torch.optim.AdamW(param_groups(model), lr=1e-4, weight_decay=0.01, fused=fused)
+    optimizer = torch.optim.AdamW(param_groups(model), lr=LEARNING_RATE, weight_decay=0.01, fused=fused)
     schedule = get_linear_schedule_with_warmup(optimizer, max(1, len(loader) // 10), len(loader))
     model.train()
     samples, checkpoint_s = 0, 0.0
@@ -161,7 +162,7 @@ def trainer_process(model_path: str, train_uri: str, batch: int, threads: int, s
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     with tempfile.TemporaryDirectory() as folder:
         arguments = TrainingArguments(
-            folder, per_device_train_batch_size=batch, num_train_epochs=1, learning_rate=1e-4, warmup_steps=0.1,
+            folder, per_device_train_batch_size=batch, num_train_epochs=1, learning_rate=LEARNING_RATE, warmup_steps=0.1,
             weight_decay=0.01, max_grad_norm=1.0, seed=42, use_cpu=True, train_sampling_strategy=sampling,
             save_strategy="steps", save_steps=steps_to_checkpoint, logging_strategy="no", report_to="none",
             dataloader_num_workers=0, disable_tqdm=True)
@@ -225,7 +226,7 @@ def ddp(model_path: str, train_uri: str, batch: int, workers: int, cpus_per_work
 
 def ftflow(model_path: str, uris: dict, max_length: int, batch: int, layout: dict, steps_to_checkpoint: int, options: dict,
            run_dir: str) -> dict:
-    cfg = TrainConfig(**{"batch_size": batch, "checkpoint_every_steps": steps_to_checkpoint} | layout | options)
+    cfg = TrainConfig(**{"batch_size": batch, "learning_rate": LEARNING_RATE, "checkpoint_every_steps": steps_to_checkpoint} | layout | options)
     row = train(uris, ModelConfig(name_or_path=model_path, max_length=max_length), LABELS, cfg, run_dir).history[-1]
     return {"samples_per_s": row.samples_per_s, "first_step_s": row.startup_s, "checkpoint_s": row.checkpoint_s,
             "peak_memory_mb": row.peak_memory_mb}

@@ -126,7 +126,9 @@ class TrainConfig(Strict):
                                                           "default: every step of every epoch.")
     batch_size: int = Field(32, ge=1, description="Global batch: micro_batch_size x gradient accumulation x workers.")
     micro_batch_size: int | None = Field(None, ge=1, description="Per worker and step; default: batch_size / workers (no accumulation).")
-    learning_rate: float = Field(1e-4, gt=0, description="Peak learning rate, after linear warm-up; then linear decay to 0.")
+    # 2e-4 by validation accuracy, all-MiniLM-L6-v2 on Rotten Tomatoes, 1 epoch, seeds 42 and 1:
+    # 0.8330 and 0.8180 (1e-4: 0.8189 and 0.8236; 5e-5: 0.8133; 3e-4: 0.8236, seed 42 only).
+    learning_rate: float = Field(2e-4, gt=0, description="Peak learning rate, after linear warm-up; then linear decay to 0.")
     warmup_ratio: float = Field(0.1, ge=0, lt=1)
     weight_decay: float = Field(0.01, ge=0, description="AdamW decay of weight matrices (not of biases and norms).")
     max_grad_norm: float = Field(1.0, ge=0, description="Gradient clipping; 0 disables it.")
