@@ -1,6 +1,7 @@
 """Batch inference benchmark: ftflow's `predict_files` against a plain transformers loop.
 
     python bench/inference.py [--rows 10000 100000 1000000] [--model tiny|minilm|PATH] [--files 16]
+                              [--precision auto|fp32|bf16] [--test-accuracy]
 
 The corpus is short Rotten Tomatoes reviews (repeated, each row numbered) in `--files` JSONL files.
 The baseline is the loop a user writes by hand: one process with all of the machine's CPUs, the
@@ -10,6 +11,8 @@ memory: it writes nothing); Prefect's temporary API server, which a task called 
 starts once per process (~10 s here; none with a running server), is started before. While ftflow
 runs, the resident memory of every Ray worker process is sampled: its peak shows what bounds
 memory (window and batch size, not the corpus size). Prints a Markdown table for bench/RESULTS.md.
+`--precision` is ftflow's `inference.precision` (the plain loop stays fp32); `--test-accuracy`, with
+a fine-tuned model folder, also prints its Rotten Tomatoes test accuracy at fp32 and at that precision.
 """
 
 from __future__ import annotations
@@ -84,6 +87,19 @@ def plain_loop(model_path: str, files: list[Path]) -> int:
     return len(labelled)
 
 
+def test_accuracy(model: str, precision: str, folder: Path) -> float:
+    """The shipped test split labelled by ftflow at `precision`: the share of rows labelled as in the
+    file (ids there, the model's label names in the predictions)."""
+    from transformers import AutoConfig
+
+    names = AutoConfig.from_pretrained(model).id2label
+    split = ROOT / "data/rotten_tomatoes/test.jsonl"
+    truth = {f"{split.name}:{i}": names[json.loads(line)["label"]] for i, line in enumerate(split.read_text().split("\n")) if line}
+    predict_files(model, InferenceConfig(input_uri=str(split), precision=precision), str(folder / f"test-{precision}"))
+    labelled = pd.read_parquet(folder / f"test-{precision}")
+    return float((labelled["label"] == labelled["id"].map(truth)).mean())
+
+
 @task
 def start_prefect() -> None:
     """Run once before timing: a task called outside a flow starts Prefect's temporary API server."""
@@ -120,6 +136,8 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[10_000, 100_000, 1_000_000])
     parser.add_argument("--model", default="tiny", help="tiny (the tests' 2-layer BERT), minilm, or a model folder")
     parser.add_argument("--files", type=int, default=16)
+    parser.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto")
+    parser.add_argument("--test-accuracy", action="store_true", help="with a fine-tuned model folder")
     args = parser.parse_args()
 
     cluster.connect()
@@ -138,12 +156,16 @@ def main() -> None:
             plain_rows, plain_s = timed(lambda: plain_loop(model, files))
             out = str(Path(tmp) / f"out-{rows}")
             with peak_ray_worker_rss() as peak:
-                ftflow_rows, ftflow_s = timed(lambda: predict_files(model, InferenceConfig(input_uri=str(corpus), batch_size=BATCH), out)["rows"])
+                ftflow_rows, ftflow_s = timed(lambda: predict_files(model, InferenceConfig(input_uri=str(corpus), batch_size=BATCH, precision=args.precision), out)["rows"])
             assert plain_rows == ftflow_rows == rows == len(pd.read_parquet(out)), (plain_rows, ftflow_rows, rows)
             print(f"RESULT {args.model} {rows}: plain {rows / plain_s:.0f} rows/s, ftflow {rows / ftflow_s:.0f} rows/s", flush=True)
             lines.append(f"| {args.model} | {rows:,} | {rows / plain_s:,.0f} | {rows / ftflow_s:,.0f} | {plain_s / ftflow_s:.2f} "
                          f"| {ftflow_s:.0f} s | {peak['mib']:,.0f} MiB |")
-    print(f"\n{args.files} JSONL files, batch size {BATCH}, {cluster.Resources.of_cluster().cpus:.0f} CPUs\n")
+        if args.test_accuracy:
+            accuracy = {precision: test_accuracy(model, precision, Path(tmp)) for precision in ("fp32", args.precision)}
+            print("Rotten Tomatoes test accuracy: " + ", ".join(f"{p} {a:.4f}" for p, a in accuracy.items()), flush=True)
+    print(f"\n{args.files} JSONL files, batch size {BATCH}, ftflow precision {args.precision}, "
+          f"{cluster.Resources.of_cluster().cpus:.0f} CPUs\n")
     print("\n".join(lines))
 
 

@@ -8,7 +8,7 @@ from prefect import flow
 from prefect.runtime import flow_run
 from pydantic import Field
 
-from tasks.config import DEVICE, WINDOW_ROWS, Device, InferenceConfig, default_storage_root
+from tasks.config import DEVICE, INFERENCE_PRECISION, WINDOW_ROWS, Device, InferenceConfig, InferencePrecision, default_storage_root
 from tasks.infer import predict_files
 from tasks.reaper import reap_on_exit
 from tasks.registry import resolve
@@ -29,6 +29,7 @@ def batch_infer(
     ] = WINDOW_ROWS,
     actors: Annotated[int | None, Field(ge=1, description=InferenceConfig.model_fields["actors"].description)] = None,
     device: Annotated[Device, Field(description=DEVICE)] = "auto",
+    precision: Annotated[InferencePrecision, Field(description=INFERENCE_PRECISION)] = "auto",
     wait_for_actors_s: Annotated[float, Field(gt=0, description=InferenceConfig.model_fields["wait_for_actors_s"].description)] = 600,
     timeout_s: Annotated[float | None, Field(gt=0, description=InferenceConfig.model_fields["timeout_s"].description)] = None,
     ray_address: str | None = None,
@@ -38,7 +39,7 @@ def batch_infer(
     reap_on_exit()  # this process's Prefect server and local Ray end with it, even if it is killed
     resolved = resolve(model_uri, storage_root or default_storage_root())
     cfg = InferenceConfig(input_uri=input_uri, text_column=text_column, id_column=id_column, batch_size=batch_size,
-                          window_rows=window_rows, actors=actors, device=device, wait_for_actors_s=wait_for_actors_s,
+                          window_rows=window_rows, actors=actors, device=device, precision=precision, wait_for_actors_s=wait_for_actors_s,
                           timeout_s=timeout_s)
     result = predict_files.with_options(timeout_seconds=timeout_s)(resolved, cfg, output_uri, ray_address)
     publish_inference_report(model_uri, resolved, flow_run.parameters, result)

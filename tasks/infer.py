@@ -126,7 +126,7 @@ def labelled(model_uri: str, cfg: InferenceConfig, output_uri: str) -> dict:
             .map_batches(
                 Predictor,
                 fn_constructor_kwargs={"model_uri": model_uri, "batch_size": cfg.batch_size, "threads": max(1, round(cpus)),
-                                       "progress": progress},
+                                       "progress": progress, "precision": cfg.precision},
                 batch_size=window,
                 batch_format="pandas",
                 concurrency=actors,

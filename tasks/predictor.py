@@ -53,13 +53,13 @@ class Predictor:
     and batches neighbours, so a batch pads to its own length rather than to the longest text of a
     random draw."""
 
-    def __init__(self, model_uri: str, batch_size: int = 64, threads: int | None = None, progress=None):
+    def __init__(self, model_uri: str, batch_size: int = 64, threads: int | None = None, progress=None, precision: str = "auto"):
         folder = local_model(model_uri)
         self.progress = progress
         if threads:
             torch.set_num_threads(threads)
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        dtype = torch.bfloat16 if precision == "bf16" or (precision == "auto" and self.device.type == "cuda") else torch.float32
         tokenizer = AutoTokenizer.from_pretrained(folder)
         self.model = AutoModelForSequenceClassification.from_pretrained(folder, dtype=dtype).to(self.device).eval()
         last_layer_at_first_token(self.model)
