@@ -94,7 +94,8 @@ def test_accuracy(model: str, precision: str, folder: Path) -> float:
 
     names = AutoConfig.from_pretrained(model).id2label
     split = ROOT / "data/rotten_tomatoes/test.jsonl"
-    truth = {f"{split.name}:{i}": names[json.loads(line)["label"]] for i, line in enumerate(split.read_text().split("\n")) if line}
+    labels = pd.concat(iter_frames(str(split)), ignore_index=True)["label"]  # read as predict_files numbers the rows
+    truth = {f"{split.name}:{i}": names[label] for i, label in enumerate(labels)}
     predict_files(model, InferenceConfig(input_uri=str(split), precision=precision), str(folder / f"test-{precision}"))
     labelled = pd.read_parquet(folder / f"test-{precision}")
     return float((labelled["label"] == labelled["id"].map(truth)).mean())
@@ -162,7 +163,7 @@ def main() -> None:
             lines.append(f"| {args.model} | {rows:,} | {rows / plain_s:,.0f} | {rows / ftflow_s:,.0f} | {plain_s / ftflow_s:.2f} "
                          f"| {ftflow_s:.0f} s | {peak['mib']:,.0f} MiB |")
         if args.test_accuracy:
-            accuracy = {precision: test_accuracy(model, precision, Path(tmp)) for precision in ("fp32", args.precision)}
+            accuracy = {precision: test_accuracy(model, precision, Path(tmp)) for precision in dict.fromkeys(("fp32", args.precision))}
             print("Rotten Tomatoes test accuracy: " + ", ".join(f"{p} {a:.4f}" for p, a in accuracy.items()), flush=True)
     print(f"\n{args.files} JSONL files, batch size {BATCH}, ftflow precision {args.precision}, "
           f"{cluster.Resources.of_cluster().cpus:.0f} CPUs\n")
