@@ -14,9 +14,8 @@ from ray._private import ray_constants
 from tasks import storage
 from tasks.config import Device
 
-# Ray Data's read and write tasks are I/O bound: a quarter CPU each leaves whole CPUs to model
-# workers, so an actor pool as large as the cluster cannot starve the reads that feed it (a
-# deadlock otherwise) nor the writes that drain it.
+# Tokenization's tasks ask for a quarter CPU each (tasks/tokenize.py runs at most one per CPU), so
+# they never wait on CPUs that model workers hold.
 READ_CPUS = 0.25
 # One CPU of every cluster is left to Ray Data's own tasks: those that split the training stream
 # equally between workers ask for a whole CPU and cannot be told otherwise, and once training
@@ -152,13 +151,12 @@ class Resources:
 
     def inference_actors(self, requested: int | None, use_gpu: bool) -> tuple[int, float, int]:
         """(actors, CPUs per actor, GPUs per actor): one per GPU, else one per CPU, each CPU actor
-        taking its share of what is left after one reader and one writer per actor, within a node
-        (on a cluster yet to grow, the rest of one CPU)."""
+        (which reads and writes its own parts) taking its share of the CPUs, within a node (on a
+        cluster yet to grow, one CPU)."""
         if use_gpu:
             return self.count(requested, self.gpus, "actors", f"{self.gpus} GPUs"), 1.0, 1
         actors = self.count(requested, int(self.cpus), "actors", f"{self.cpus:g} CPUs")
-        floor = 1 - 2 * READ_CPUS if self.can_grow else 0.1
-        # Within one node beside its reader and writer: a larger actor no node can hold (seen: 3.5
-        # CPUs asked of 3-CPU nodes once the autoscaler had added three).
-        share = min((self.cpus - 2 * READ_CPUS * actors) / actors, self.node_cpus - 2 * READ_CPUS)
-        return actors, max(floor, share), 0
+        # Within one node: a larger actor no node can hold waits forever (seen: 3.5 CPUs asked of
+        # 3-CPU nodes once the autoscaler had added three).
+        share = min(self.cpus / actors, self.node_cpus)
+        return actors, max(1.0 if self.can_grow else 0.1, share), 0

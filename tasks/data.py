@@ -14,6 +14,7 @@ import io
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from itertools import accumulate
 from pathlib import PurePosixPath
 
 import pandas as pd
@@ -128,6 +129,24 @@ def iter_frames(uri: str, fmt: str = "auto", chunk_rows: int = 50_000, piece: Pi
         else:
             sep = "\t" if fmt == "tsv" else ","
             yield from pd.read_csv(f, sep=sep, dtype=str, keep_default_na=False, chunksize=chunk_rows)
+
+
+def numbered(pieces: list[Piece], fmt: str = "auto") -> list[Piece]:
+    """One file's pieces (from `cut`), each with `file_row`, the number of its first row in the file:
+    Parquet's from the footer; JSONL's by counting the rows of every piece but the last, as the
+    reader parses them (one per line; pandas skips blank ones), which reads those pieces once."""
+    if len(pieces) < 2:
+        return pieces
+    uri = pieces[0].uri
+    fs, path = storage.filesystem(uri)
+    with fs.open(path, "rb") as f:
+        if file_format(uri, fmt) == "parquet":
+            meta = pq.ParquetFile(f).metadata
+            rows = [sum(meta.row_group(group).num_rows for group in range(piece.start, piece.stop)) for piece in pieces]
+        else:
+            rows = [sum(1 for line in io.BufferedReader(_Lines(f, piece.start, piece.stop), 1 << 20) if line.strip())
+                    for piece in pieces[:-1]]
+    return [replace(piece, file_row=first) for piece, first in zip(pieces, accumulate(rows, initial=0))]
 
 
 def columns_of(uri: str, fmt: str = "auto") -> list[str] | None:

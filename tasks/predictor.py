@@ -10,7 +10,6 @@ from __future__ import annotations
 import tempfile
 
 import numpy as np
-import pandas as pd
 import torch
 from tokenizers import Tokenizer
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedTokenizerBase
@@ -53,9 +52,8 @@ class Predictor:
     and batches neighbours, so a batch pads to its own length rather than to the longest text of a
     random draw."""
 
-    def __init__(self, model_uri: str, batch_size: int = 64, threads: int | None = None, progress=None, precision: str = "auto"):
+    def __init__(self, model_uri: str, batch_size: int = 64, threads: int | None = None, precision: str = "auto"):
         folder = local_model(model_uri)
-        self.progress = progress
         if threads:
             torch.set_num_threads(threads)
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -87,12 +85,6 @@ class Predictor:
     def padded(self, rows: list[list[int]], lengths: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         input_ids, attention_mask = padded(rows, lengths, self.pad_id)
         return torch.from_numpy(input_ids).to(self.device), torch.from_numpy(attention_mask).to(self.device)
-
-    def __call__(self, batch: pd.DataFrame) -> pd.DataFrame:
-        ids, scores = self.predict(batch["text"].tolist())
-        if self.progress:
-            self.progress.labelled.remote(len(batch))
-        return batch.assign(label=np.asarray(self.label_names)[ids], score=scores)
 
 
 def confusion(model_uri: str, split: Split, threads: int) -> tuple[np.ndarray, list[str]]:

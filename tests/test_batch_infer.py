@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pandas as pd
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from prefect.client.orchestration import get_client
@@ -18,7 +19,7 @@ from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRun
 from conftest import write_jsonl
 from flows.batch_infer import batch_infer
 from tasks import cluster, infer, storage
-from tasks.data import DataError
+from tasks.data import DataError, Piece, iter_frames
 from tasks.storage import MARKER
 
 
@@ -49,13 +50,13 @@ def test_every_row_of_every_file_gets_one_prediction(ray_cluster, tiny_model, co
     monkeypatch.setattr(infer, "PROGRESS_EVERY_S", 0.5)
     state = batch_infer(str(tiny_model), str(corpus), str(tmp_path / "predictions"), return_state=True)
     out = state.result()
-    assert out.pop("seconds") > 0 and out.pop("rows_per_s") > 0 and out.pop("window_rows") >= 64
+    assert out.pop("seconds") > 0 and out.pop("rows_per_s") > 0 and out.pop("parts") == 3
     assert out.pop("actors") == 1, "600 rows: one actor with every CPU, not two each starting a model"
     assert out == {"output_uri": str(tmp_path / "predictions"), "rows": 600, "files": 3}
     messages, artifacts = prefect_records(state.state_details.flow_run_id)
     # Progress while it runs: under load the actors may still be loading when it is logged, so the
     # count may be 0 and the total not yet known ('?'); the final line is asserted below.
-    progress = r"labelled [\d,]+ / (600 rows|(~[\d,]+|\?) rows \(\d/3 files read\)), \d+ rows/s"
+    progress = r"labelled [\d,]+ / (600 rows|(~[\d,]+|\?) rows \(\d/3 parts done\)), \d+ rows/s"
     assert any(re.fullmatch(progress, m) for m in messages)
     assert any(m.startswith("labelled 600 rows from 3 file(s)") for m in messages)
     assert "batch-inference-throughput" in artifacts
@@ -84,12 +85,14 @@ def test_missing_input_is_refused_before_ray(tiny_model, tmp_path):
         batch_infer(str(tiny_model), str(tmp_path / "nowhere" / "*.jsonl"), str(tmp_path / "out"))
 
 
-def test_a_list_of_inputs_read_in_small_windows(ray_cluster, tiny_model, corpus, tmp_path):
+def test_a_list_of_inputs_shared_by_two_actors_in_small_windows(ray_cluster, tiny_model, corpus, tmp_path):
     inputs = [str(corpus / "sub"), str(corpus / "*.jsonl"), str(corpus / "a.jsonl")]
-    out = batch_infer(str(tiny_model), inputs, str(tmp_path / "predictions"), window_rows=64)
+    out = batch_infer(str(tiny_model), inputs, str(tmp_path / "predictions"), window_rows=64, actors=2)
     assert out["rows"] == 500 and out["files"] == 2  # a.jsonl named twice is read once
-    ids = pq.read_table(tmp_path / "predictions").column("id").to_pylist()
-    assert sorted(ids) == sorted([f"a.jsonl:{i}" for i in range(300)] + [f"sub/b.csv:{i}" for i in range(200)])
+    assert out["parts"] > 2, "a.jsonl cut into pieces, so that both actors have work"
+    table = pq.read_table(tmp_path / "predictions").to_pandas().set_index("id")
+    expected = {f"a.jsonl:{i}": f"review {i} was good" for i in range(300)} | {f"sub/b.csv:{i}": f"film {i} bored me" for i in range(200)}
+    assert table.index.is_unique and table["text"].to_dict() == expected
 
 
 def test_bf16_on_cpu_labels_every_row_within_rounding_of_fp32(ray_cluster, tiny_model, corpus, tmp_path):
@@ -114,19 +117,29 @@ def test_a_million_rows_over_many_files_get_one_prediction_each(ray_cluster, tin
     assert ids.is_unique and set(ids) == {f"d{i}" for i in range(files * per_file)}
 
 
-def test_a_small_corpus_is_split_into_windows_for_every_actor(corpus):
-    """10,000 rows in windows of 8,192 would leave one of two actors 80% of the work; windows larger
-    than the files would go out as bundles of whole files, unevenly."""
-    jsonl, parquet = corpus / "a.jsonl", corpus / "c.parquet"
-    per_row = {str(jsonl): jsonl.stat().st_size / 300, str(parquet): parquet.stat().st_size / 100}
-    for uri, size in per_row.items():
-        ten_thousand_rows = infer.estimated_rows({uri: size * 10_000})
-        assert ten_thousand_rows == pytest.approx(10_000, rel=0.01)
-        assert infer.balanced_window(8192, 64, actors=2, rows=ten_thousand_rows, files=1) == pytest.approx(10_000 / 8, rel=0.01)
-        assert infer.balanced_window(8192, 64, actors=2, rows=100 * ten_thousand_rows, files=1) == 8192
-        assert infer.balanced_window(8192, 64, actors=100, rows=ten_thousand_rows, files=1) == 64  # never below a batch
-        # 16 files of 625 rows: a window per file, so the actors' calls are whole files and as many each.
-        assert infer.balanced_window(8192, 64, actors=2, rows=ten_thousand_rows, files=16) == pytest.approx(625, rel=0.01)
+def test_any_layout_of_files_is_cut_into_even_parts_that_keep_row_numbers(tmp_path):
+    """Two actors get four parts each or more: 16 small files are 16 parts, one large file is cut into
+    pieces. A piece's rows keep their numbers in the file (the default ids): JSONL's as the reader
+    parses it (blank lines skipped), Parquet's from its row groups."""
+    jsonl, parquet = tmp_path / "big.jsonl", tmp_path / "big.parquet"
+    lines = [json.dumps({"text": f"review {i}"}) + ("\n\n" if i % 7 == 0 else "\n") for i in range(1000)]
+    jsonl.write_text("".join(lines))
+    pq.write_table(pa.table({"text": [f"review {i}" for i in range(1000)]}), parquet, row_group_size=50)
+    for big in (jsonl, parquet):
+        parts = infer.cut_in_parts({str(big): big.stat().st_size}, actors=2)
+        assert len(parts) >= 8
+        texts = {}
+        for part in parts:
+            piece = Piece(part["uri"], part["start"], part["stop"], part["size"], file_row=part["file_row"])
+            frame = pd.concat(iter_frames(str(big), piece=piece), ignore_index=True)
+            texts |= {part["file_row"] + i: text for i, text in enumerate(frame["text"])}
+        assert texts == {i: f"review {i}" for i in range(1000)}, big.name
+    small = []
+    for f in range(16):
+        small.append(tmp_path / f"part-{f:02d}.jsonl")
+        write_jsonl(small[-1], [{"text": f"review {i}"} for i in range(625)])
+    parts = infer.cut_in_parts({str(path): path.stat().st_size for path in small}, actors=2)
+    assert [(part["name"], part["start"], part["file_row"]) for part in parts] == [(path.name, 0, 0) for path in small]
 
 
 def test_a_job_killed_mid_way_and_run_again_labels_every_row_once(ray_stopped, tiny_model, tmp_path):

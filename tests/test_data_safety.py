@@ -114,7 +114,8 @@ def test_a_failed_jobs_remains_are_replaced_by_the_next_one(ray_cluster, tiny_mo
         batch_infer(str(tiny_model), user.uri("corpus"), out.uri())
     assert CLAIM in {name.rsplit("/", 1)[-1] for name in out.snapshot()} and not storage.exists(out.uri(MARKER))
 
-    batch_infer(str(tiny_model), user.uri("corpus/a.jsonl"), out.uri())
+    # The failed job's actors are gone with it: this one gets their CPUs at once.
+    batch_infer(str(tiny_model), user.uri("corpus/a.jsonl"), out.uri(), wait_for_actors_s=60)
     marker = storage.read_json(out.uri(MARKER))
     assert set(out.snapshot()) == {out.uri(name) for name in [*marker["files"], MARKER]}
     assert marker["rows"] == 300 == pq.read_table(out.path).num_rows

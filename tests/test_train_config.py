@@ -61,10 +61,10 @@ def test_a_cluster_that_grows_is_asked_for_what_the_config_says():
     assert (p.workers, p.micro_batch, p.use_gpu, p.precision) == (4, 16, True, "auto")
     assert plan(TrainConfig(), GPUS_ON_DEMAND).workers == 1, "by default, what fits now (at least one)"
     assert GPUS_ON_DEMAND.inference_actors(3, use_gpu=True) == (3, 1.0, 1)
-    # CPU actors on nodes yet to come: each with its reader and writer takes one CPU.
-    assert GPUS_ON_DEMAND.inference_actors(2, use_gpu=False) == (2, 0.5, 0)
+    assert GPUS_ON_DEMAND.inference_actors(2, use_gpu=False) == (2, 1.0, 0), "CPU actors on nodes yet to come: one CPU each"
     grown = Resources(cpus=8, gpus=0, node_cpus=3, can_grow=True)  # three 3-CPU nodes up, less Ray Data's CPU
-    assert grown.inference_actors(2, use_gpu=False) == (2, 2.5, 0), "no larger than a node holds beside its reader and writer"
+    assert grown.inference_actors(2, use_gpu=False) == (2, 3.0, 0), "no larger than a node holds"
+    assert LAPTOP.inference_actors(None, use_gpu=False) == (2, 1.0, 0), "a CPU each, reading and writing its own parts"
     with pytest.raises(ValueError, match="actors=3 but the Ray cluster fits 2"):
         LAPTOP.inference_actors(3, use_gpu=False)
 
