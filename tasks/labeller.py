@@ -5,7 +5,8 @@ each window with `Predictor` and writes the part's labels as one Parquet file.
 Reading and writing happen in the actor rather than in Ray Data's read and write tasks: there,
 each window crossed the object store twice and the reader and writer processes (their start, their
 scheduling by the driver) took CPU from the models. On 2 CPUs, the tiny test model over 100,000
-rows ran 6,020 -> 7,208-7,632 rows/s, and all-MiniLM-L6-v2 over 10,000 rows 223 -> 236.
+rows went from 6,020 to 6,893-7,856 rows/s (six runs); all-MiniLM-L6-v2, whose model is most of its
+time, stayed at 220-236 rows/s over 10,000 rows.
 
 Kept apart from the Prefect tasks: the actors import this module, and no Prefect.
 """
