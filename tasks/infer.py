@@ -103,9 +103,7 @@ def labelled(model_uri: str, cfg: InferenceConfig, output_uri: str) -> dict:
                                    "progress": progress},
             batch_size=1,  # a part per call
             batch_format="pandas",
-            # A part at a time per actor: a part queued behind another waits while an actor that
-            # has finished its own has nothing left to do.
-            compute=ray.data.ActorPoolStrategy(size=actors),
+            concurrency=actors,
             num_cpus=cpus,
             num_gpus=gpus,
         ).materialize()
