@@ -47,7 +47,8 @@ class Piece:
     """A contiguous part of one file that one task reads: for JSONL the lines that start in bytes
     [start, stop), for Parquet row groups [start, stop); CSV and TSV files are read whole (a quoted
     field may hold a newline, so bytes alone cannot tell where a row starts). `rows`, `first_row`
-    (in the split) and `file_row` (in the file) are known once the piece has been checked."""
+    (in the split) and `file_row` (in the file) are known once the piece has been checked; a
+    Parquet piece's `file_row` already from the footer."""
 
     uri: str
     start: int
@@ -77,14 +78,15 @@ def cut(uri: str, fmt: str = "auto", piece_bytes: int | None = None) -> list[Pie
     if fmt == "parquet":
         with fs.open(path, "rb") as f, reading(uri, fmt):
             meta = pq.ParquetFile(f).metadata
-        pieces, start, taken = [], 0, 0
+        pieces, start, taken, first, row = [], 0, 0, 0, 0
         for group in range(meta.num_row_groups):
             group_bytes = meta.row_group(group).total_byte_size
             if taken and taken + group_bytes > piece_bytes:
-                pieces.append(Piece(uri, start, group, taken))
-                start, taken = group, 0
+                pieces.append(Piece(uri, start, group, taken, file_row=first))
+                start, taken, first = group, 0, row
             taken += group_bytes
-        return [*pieces, Piece(uri, start, meta.num_row_groups, taken)]
+            row += meta.row_group(group).num_rows
+        return [*pieces, Piece(uri, start, meta.num_row_groups, taken, file_row=first)]
     count = max(1, -(-size // piece_bytes)) if fmt == "jsonl" else 1
     bounds = [size * i // count for i in range(count + 1)]
     return [Piece(uri, start, stop, stop - start) for start, stop in zip(bounds, bounds[1:])]
@@ -132,20 +134,16 @@ def iter_frames(uri: str, fmt: str = "auto", chunk_rows: int = 50_000, piece: Pi
 
 
 def numbered(pieces: list[Piece], fmt: str = "auto") -> list[Piece]:
-    """One file's pieces (from `cut`), each with `file_row`, the number of its first row in the file:
-    Parquet's from the footer; JSONL's by counting the rows of every piece but the last, as the
-    reader parses them (one per line; pandas skips blank ones), which reads those pieces once."""
-    if len(pieces) < 2:
+    """One file's pieces (from `cut`), each with `file_row`, the number of its first row in the file.
+    `cut` numbers Parquet's from the footer and a CSV is one piece; JSONL's are numbered by counting
+    the rows of every piece but the last as the reader parses them (one per line; pandas skips
+    blank ones), which reads those pieces once."""
+    if len(pieces) < 2 or file_format(pieces[0].uri, fmt) != "jsonl":
         return pieces
-    uri = pieces[0].uri
-    fs, path = storage.filesystem(uri)
+    fs, path = storage.filesystem(pieces[0].uri)
     with fs.open(path, "rb") as f:
-        if file_format(uri, fmt) == "parquet":
-            meta = pq.ParquetFile(f).metadata
-            rows = [sum(meta.row_group(group).num_rows for group in range(piece.start, piece.stop)) for piece in pieces]
-        else:
-            rows = [sum(1 for line in io.BufferedReader(_Lines(f, piece.start, piece.stop), 1 << 20) if line.strip())
-                    for piece in pieces[:-1]]
+        rows = [sum(1 for line in io.BufferedReader(_Lines(f, piece.start, piece.stop), 1 << 20) if line.strip())
+                for piece in pieces[:-1]]
     return [replace(piece, file_row=first) for piece, first in zip(pieces, accumulate(rows, initial=0))]
 
 

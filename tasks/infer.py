@@ -90,6 +90,7 @@ def labelled(model_uri: str, cfg: InferenceConfig, output_uri: str) -> dict:
                                                     resources.use_gpu(cfg.device))
     parts = cut_in_parts(sizes, actors)
     job = output.start()  # a re-run replaces exactly what an earlier job here wrote, complete or not
+    out_path, out_fs = storage.pyarrow_filesystem(output_uri)
     logger, started = jobs.log, time.perf_counter()
     # Ray Data waits for an actor pool's replicas forever unless told otherwise: a pool no node can
     # hold (or that the autoscaler does not add in time) fails instead, below.
@@ -97,7 +98,7 @@ def labelled(model_uri: str, cfg: InferenceConfig, output_uri: str) -> dict:
     with logging_progress(parts, logger) as progress, pool_failures(actors, cpus, gpus, cfg.wait_for_actors_s):
         ray.data.from_items(parts, override_num_blocks=len(parts)).map_batches(
             Labeller,
-            fn_constructor_kwargs={"model_uri": model_uri, "output": storage.pyarrow_filesystem(output_uri), "job": job,
+            fn_constructor_kwargs={"model_uri": model_uri, "output": (out_path, out_fs), "job": job,
                                    "text_column": text_column, "id_column": cfg.id_column, "window_rows": cfg.window_rows,
                                    "batch_size": cfg.batch_size, "threads": max(1, round(cpus)), "precision": cfg.precision,
                                    "progress": progress},
@@ -109,7 +110,6 @@ def labelled(model_uri: str, cfg: InferenceConfig, output_uri: str) -> dict:
         ).materialize()
     seconds = time.perf_counter() - started
     written = output.written(job)
-    out_path, out_fs = storage.pyarrow_filesystem(output_uri)
     rows = pyarrow.dataset.dataset([f"{out_path}/{name}" for name in written], filesystem=out_fs, format="parquet").count_rows()
     output.complete(job, written, {
         "rows": rows,
