@@ -18,7 +18,7 @@ $(VENV)/.installed: pyproject.toml requirements.lock
 	touch $@
 
 run: setup
-	$(PY) -m flows.finetune
+	$(VENV)/bin/ftflow run
 
 # Debian's Chromium, for the test that drives the Prefect UI (tests/test_stack.py): installed when
 # missing and this user may (root, as in CI); otherwise that test says what to install.

@@ -1,5 +1,5 @@
 """ftflow's Prefect deployments, defined once: served by the local stack (deployments/serve.py) or
-registered with a work pool for a cluster (deployments/deploy.py).
+registered with a work pool for a cluster (`ftflow deploy`, flows/cli.py).
 
     finetune/retrain       on the schedule in retrain.yaml (cron, time zone), with its parameters
     batch_infer/on-demand  no schedule: runs are triggered from the UI, the CLI or the API

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from prefect import flow
+from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 from pydantic import Field
 
@@ -12,7 +12,7 @@ from tasks.config import DEVICE, INFERENCE_PRECISION, WINDOW_ROWS, Device, Infer
 from tasks.infer import predict_files
 from tasks.reaper import reap_on_exit
 from tasks.registry import resolve
-from tasks.report import publish_inference_report
+from tasks.report import Stopwatch, publish_inference_report
 
 
 @flow(name="batch_infer")
@@ -41,6 +41,7 @@ def batch_infer(
     cfg = InferenceConfig(input_uri=input_uri, text_column=text_column, id_column=id_column, batch_size=batch_size,
                           window_rows=window_rows, actors=actors, device=device, precision=precision, wait_for_actors_s=wait_for_actors_s,
                           timeout_s=timeout_s)
-    result = predict_files.with_options(timeout_seconds=timeout_s)(resolved, cfg, output_uri, ray_address)
+    with Stopwatch(get_run_logger())("batch inference"):
+        result = predict_files.with_options(timeout_seconds=timeout_s)(resolved, cfg, output_uri, ray_address)
     publish_inference_report(model_uri, resolved, flow_run.parameters, result)
     return result

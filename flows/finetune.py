@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-from prefect import flow
+from prefect import flow, get_run_logger
 from prefect.context import FlowRunContext
-from pydantic import ValidationError
 
 from tasks import cluster
-from tasks.config import FinetuneParams, one_line
+from tasks.config import FinetuneParams
 from tasks.data import load_splits, unlabelled_files
 from tasks.evaluate import evaluate
 from tasks.infer import predict_files
 from tasks.manifest import write_manifest
+from tasks.progress import RUN_DIR
 from tasks.reaper import reap_on_exit
 from tasks.registry import champion_pointer, promote
 from tasks.report import Stopwatch, publish_report
@@ -35,7 +32,8 @@ def new_run_id() -> str:
 def finetune(params: FinetuneParams = FinetuneParams()) -> dict:
     """Fine-tune a Hugging Face classifier and label a corpus with it."""
     reap_on_exit()  # this process's Prefect server and local Ray end with it, even if it is killed
-    took = Stopwatch()
+    logger = get_run_logger()
+    took = Stopwatch(logger)
     store = RunStore(params.storage_root, params.run_id or new_run_id())
     splits = load_splits(params.data)  # bad input stops here, before Ray or storage are touched
     inference = params.inference.model_copy(update={"input_uri": params.inference.input_uri or list(splits["test"].uris),
@@ -48,6 +46,7 @@ def finetune(params: FinetuneParams = FinetuneParams()) -> dict:
                    [*params.inputs(), *(uri for split in splits.values() for uri in split.uris)])
     read = {**{f"data.{name}": list(split.uris) for name, split in splits.items()}, "inference.input_uri": to_label}
     cluster.refuse_local_paths({"storage_root": [params.storage_root], **read}, params.storage_shared, params.ray_address)
+    logger.info("run %s in %s", store.run_id, store.base, extra={RUN_DIR: store.base})
 
     with took("tokenize"):
         tokenized = tokenize.with_options(refresh_cache=not key.shards_exist())(
@@ -81,24 +80,3 @@ def finetune(params: FinetuneParams = FinetuneParams()) -> dict:
     return {"run_id": store.run_id, "run_dir": store.base, "test_accuracy": metrics["accuracy"], "metrics": metrics,
             "promoted": promotion["promoted"]}
 
-
-def params_from(path: Path) -> FinetuneParams:
-    """FinetuneParams from a JSON file, or one line naming the file and what is wrong, exit code 2."""
-    try:
-        return FinetuneParams.model_validate_json(path.read_text())
-    except ValidationError as error:
-        problem = one_line(error)
-    except OSError as error:
-        problem = error.strerror
-    print(f"{path}: {problem}", file=sys.stderr)
-    sys.exit(2)
-
-
-if __name__ == "__main__":
-    # `python -m flows.finetune [params.json]`: the embedded defaults, or FinetuneParams as JSON.
-    overrides = params_from(Path(sys.argv[1])) if len(sys.argv) > 1 else FinetuneParams()
-    summary = finetune(overrides)
-    print(f"test accuracy: {summary['test_accuracy']:.4f}")
-    print(f"run id:        {summary['run_id']}")
-    print(f"artifacts:     {summary['run_dir']}")
-    print(f"report:        {summary['run_dir']}/report/report.md")

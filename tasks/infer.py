@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pyarrow.dataset
 import ray
-from prefect import get_run_logger, task
+from prefect import task
 from prefect.artifacts import create_table_artifact
 from ray.data import DataContext
 
@@ -20,9 +20,11 @@ from tasks import cluster, jobs, storage
 from tasks.config import InferenceConfig
 from tasks.data import cut, numbered, rows_per_byte, unlabelled_files
 from tasks.labeller import Labeller
+from tasks.live import Tracked
+from tasks.progress import Tick, log_tick
 from tasks.retries import RETRY_TRANSIENT
 
-PROGRESS_EVERY_S = 10.0
+PROGRESS_EVERY_S = 5.0
 PARTS_PER_ACTOR = 4  # at least, so that the last part to finish is a small share of any actor's work
 PART_BYTES = 64 << 20  # the most of a file one actor call labels: what a retried call redoes
 # Fewer rows than this (estimated), and unless `actors` says otherwise, one actor takes every CPU:
@@ -57,7 +59,9 @@ def predict_files(model_uri: str, cfg: InferenceConfig, output_uri: str, ray_add
     """Label every row of every file cfg.input_uri names; Parquet (id, text, label, score) at
     output_uri, complete once output_uri/_SUCCESS.json exists (rows, input and model fingerprints)."""
     checked_inputs(model_uri, cfg, output_uri)  # bad input stops here, before any cluster work
-    result = jobs.run(labelled, ray_address, get_run_logger(), model_uri=model_uri, cfg=cfg, output_uri=output_uri)
+    progress = Tracked("batch inference: % of the rows labelled (estimated until every part is read)")
+    result = jobs.run(labelled, ray_address, progress, model_uri=model_uri, cfg=cfg, output_uri=output_uri)
+    progress.done()
     create_table_artifact(
         key="batch-inference-throughput",
         table=[{key: result[key] for key in ("rows", "files", "seconds", "rows_per_s", "actors", "parts")}],
@@ -118,6 +122,8 @@ def labelled(model_uri: str, cfg: InferenceConfig, output_uri: str) -> dict:
         "text_column": text_column,
         "id_column": cfg.id_column,
     })
+    log_tick(logger, Tick(stage="batch inference", done=rows, total=rows, unit="rows", metrics={"rows_per_s": rows / seconds},
+                          text=f"{rows / seconds:,.0f} rows/s"))
     logger.info("labelled %d rows from %d file(s) into %s in %.1f s (%.0f rows/s)", rows, len(files), output_uri,
                 seconds, rows / seconds)
     return {"output_uri": output_uri, "rows": rows, "files": len(files), "seconds": round(seconds, 2),
@@ -184,12 +190,10 @@ def logging_progress(parts: list[dict], logger) -> Iterator[ray.actor.ActorHandl
         while not stop.wait(PROGRESS_EVERY_S):
             parts_done, bytes_done, rows_done, labelled = ray.get(progress.counts.remote())
             rate = labelled / (time.perf_counter() - started)
-            if parts_done == len(parts):
-                logger.info("labelled %s / %s rows, %.0f rows/s", f"{labelled:,}", f"{rows_done:,}", rate)
-            else:
-                estimate = f"~{rows_done * total_bytes / bytes_done:,.0f}" if bytes_done else "?"
-                logger.info("labelled %s / %s rows (%d/%d parts done), %.0f rows/s", f"{labelled:,}", estimate,
-                            parts_done, len(parts), rate)
+            total = rows_done if parts_done == len(parts) else rows_done * total_bytes / bytes_done if bytes_done else None
+            estimated = "" if parts_done == len(parts) else f" (total estimated; {parts_done}/{len(parts)} parts done)"
+            log_tick(logger, Tick(stage="batch inference", done=labelled, total=total, unit="rows", metrics={"rows_per_s": rate},
+                                  text=f"{rate:,.0f} rows/s{estimated}"))
 
     reporter = threading.Thread(target=report, daemon=True)
     reporter.start()

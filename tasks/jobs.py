@@ -34,11 +34,12 @@ from typing import Any, TypeVar, get_type_hints
 from pydantic import TypeAdapter
 
 from tasks import cluster
+from tasks.progress import TICK, Tick
 
 # Every stage logs here; the lines reach the Prefect run's log from this process or from a job's log.
 log = logging.getLogger("ftflow")
 JOB_LINE = "ftflow {level} {message}"
-RESULT, ERROR = "ftflow-result: ", "ftflow-error: "
+RESULT, ERROR, TICK_LINE = "ftflow-result: ", "ftflow-error: ", "ftflow-tick: "
 Stage = TypeVar("Stage")
 # Stages run in this process take turns. Flows side by side in one process (threads) share one Ray
 # driver, and on a small cluster one run's inference actors and another's training workers each got
@@ -63,7 +64,8 @@ def forwarded(logger: logging.Logger | logging.LoggerAdapter) -> Iterator[None]:
 
     class Forward(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
-            logger.log(record.levelno, record.getMessage())
+            tick = getattr(record, TICK, None)
+            logger.log(record.levelno, record.getMessage(), extra=None if tick is None else {TICK: tick})
 
     handler, propagate = Forward(), log.propagate
     log.addHandler(handler)
@@ -117,6 +119,9 @@ async def followed(client, job: str, logger) -> str:
         for line in lines:
             if line.startswith((RESULT, ERROR)):
                 ending = line
+            elif line.startswith(TICK_LINE):
+                tick = Tick.model_validate_json(line.removeprefix(TICK_LINE))
+                logger.info(tick.line(), extra={TICK: tick})
             elif line.startswith("ftflow ") and line.split(" ", 2)[1] in logging.getLevelNamesMapping():
                 _, level, message = line.split(" ", 2)
                 logger.log(logging.getLevelName(level), message)
@@ -125,13 +130,21 @@ async def followed(client, job: str, logger) -> str:
     return pending if pending.startswith((RESULT, ERROR)) else ending
 
 
+class JobLines(logging.Formatter):
+    """A record as a line of the job's log: a tick whole, as JSON, for followed() to read back."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        tick = getattr(record, TICK, None)
+        return super().format(record) if tick is None else TICK_LINE + tick.model_dump_json()
+
+
 def main(target: str, wire: str) -> int:
     """The job's entrypoint, on the cluster: `python -m tasks.jobs <module>:<stage> <arguments JSON>`."""
     module, name = target.split(":")
     stage = getattr(importlib.import_module(module), name)
     hints = get_type_hints(stage)
     handler = logging.StreamHandler(sys.stdout)
-    handler.setFormatter(logging.Formatter(JOB_LINE.format(level="%(levelname)s", message="%(message)s")))
+    handler.setFormatter(JobLines(JOB_LINE.format(level="%(levelname)s", message="%(message)s")))
     log.addHandler(handler)
     log.setLevel(logging.INFO)
     log.propagate = False

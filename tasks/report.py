@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import logging
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -19,6 +20,7 @@ from tasks import storage
 from tasks.data import Split
 from tasks.evaluate import confusion_markdown
 from tasks.manifest import versions
+from tasks.progress import STAGE
 from tasks.retries import RETRY_TRANSIENT
 from tasks.storage import RunStore
 
@@ -28,17 +30,19 @@ PLOTS = {"training": "training.png", "confusion": "confusion-matrix.png"}
 class Stopwatch:
     """Wall seconds per stage of a flow, and its fixed costs around training. Prefect records task-run
     times too, but its API holds them only once its event pipeline has caught up, so a report reading
-    them at the end would race it."""
+    them at the end would race it. Each stage's start and end are logged, marked for the console."""
 
-    def __init__(self) -> None:
-        self.started, self.ended, self.seconds = time.time(), {}, {}
+    def __init__(self, logger: logging.Logger | logging.LoggerAdapter) -> None:
+        self.logger, self.started, self.ended, self.seconds = logger, time.time(), {}, {}
 
     @contextmanager
     def __call__(self, stage: str) -> Iterator[None]:
+        self.logger.info("%s", stage, extra={STAGE: ("start", stage)})
         started = time.time()
         yield
         self.ended[stage] = time.time()
         self.seconds[stage] = round(self.ended[stage] - started, 2)
+        self.logger.info("%s: %.1f s", stage, self.seconds[stage], extra={STAGE: ("end", stage)})
 
     def fixed_costs(self, first_step_at: float | None) -> None:
         """From the flow's start to training's first step (the workers' clock: NTP keeps nodes within

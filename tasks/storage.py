@@ -337,7 +337,7 @@ class RunStore:
     run_id: str
 
     # Everything ftflow writes in a run's folder: a folder holding anything else is not ftflow's.
-    LAYOUT = frozenset({"train", "model", "metrics.json", "predictions", "report", "manifest.json"})
+    LAYOUT = frozenset({"train", "model", "metrics.json", "predictions", "report", "manifest.json", "logs"})
 
     def __post_init__(self) -> None:
         safe_name(self.run_id, "run_id")

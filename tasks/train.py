@@ -12,7 +12,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.dataset
 import ray
-from prefect import get_run_logger, task
+from prefect import task
 from ray.data import DataContext
 from ray.train import CheckpointConfig, ControllerError, DataConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.v2._internal.constants import HEALTH_CHECK_INTERVAL_S_ENV_VAR, WORKER_GROUP_START_TIMEOUT_S_ENV_VAR
@@ -22,6 +22,8 @@ from transformers import AutoConfig
 
 from tasks import cluster, jobs, storage
 from tasks.config import ModelConfig, TrainConfig
+from tasks.live import Tracked
+from tasks.progress import relayed
 from tasks.retries import RETRY_TRANSIENT
 from tasks.shards import SHARD_SCHEMA
 from tasks.train_worker import IGNORED, STATE_FILE, Plan, Result, WorkerSpec, train_worker
@@ -182,8 +184,10 @@ def train(tokenized: dict[str, str], model: ModelConfig, label_names: list[str],
           ray_address: str | None = None) -> Result:
     """Fine-tune on the tokenized splits; the consolidated model lands in <run_dir>/model. Returns
     the per-epoch history, the loss and accuracy per step, and the validation predictions."""
-    return jobs.run(fit, ray_address, get_run_logger(), tokenized=tokenized, model=model, label_names=label_names, cfg=cfg,
-                    run_dir=run_dir)
+    progress = Tracked("training: % of its optimizer steps done")
+    result = jobs.run(fit, ray_address, progress, tokenized=tokenized, model=model, label_names=label_names, cfg=cfg, run_dir=run_dir)
+    progress.done()
+    return result
 
 
 def fit(tokenized: dict[str, str], model: ModelConfig, label_names: list[str], cfg: TrainConfig, run_dir: str) -> Result:
@@ -203,37 +207,38 @@ def fit(tokenized: dict[str, str], model: ModelConfig, label_names: list[str], c
     logger.info("training on %s, %d steps", the_plan.describe(cfg), max_steps)
     if the_plan.precision == "bf16" and not the_plan.use_gpu and not cpu_has_native_bf16():  # this machine's CPU, as a hint
         logger.warning("precision=bf16 on a CPU without native bf16 (avx512_bf16, amx): it trains, but ~2.4x slower than fp32")
-    trainer = TorchTrainer(
-        train_worker,
-        train_loop_config={"spec": spec.model_dump()},
-        datasets={"train": train_rows.random_shuffle(seed=cfg.seed), "validation": validation_rows},
-        dataset_config=data_config(),
-        scaling_config=ScalingConfig(
-            num_workers=the_plan.workers, use_gpu=the_plan.use_gpu, resources_per_worker={"CPU": the_plan.cpus_per_worker}
-        ),
-        torch_config=TorchConfig(backend="nccl" if the_plan.use_gpu else "gloo"),
-        run_config=RunConfig(
-            name="ray", storage_path=storage_path, storage_filesystem=filesystem,
-            worker_runtime_env={"env_vars": ZERO3_WORKER_ENV if cfg.zero_stage == 3 else {}},
-            checkpoint_config=CheckpointConfig(num_to_keep=2),
-            # A controller failure is the worker group not starting: retried, it would wait forever.
-            failure_config=FailureConfig(max_failures=cfg.max_failures, controller_failure_limit=0),
-        ),
-    )
-    # Ray Train reads how long a worker group may take to start, and how often its controller polls
-    # the workers, from the driver's environment (it passes them to its controller); no parameter
-    # sets them. The default poll, every 2 s, left the run up to 2 s behind its finished workers.
-    os.environ[WORKER_GROUP_START_TIMEOUT_S_ENV_VAR] = str(cfg.wait_for_workers_s)
-    os.environ[HEALTH_CHECK_INTERVAL_S_ENV_VAR] = str(HEALTH_CHECK_INTERVAL_S)
-    try:
-        trainer.fit()
-    except ControllerError as error:
-        if not isinstance(error.controller_failure, WorkerGroupStartupTimeoutError):
-            raise
-        gpu = " and 1 GPU" if the_plan.use_gpu else ""
-        raise RuntimeError(f"the Ray cluster did not make room for {the_plan.workers} training worker(s) of {the_plan.cpus_per_worker:g} CPU"
-                           f"{gpu} each within wait_for_workers_s={cfg.wait_for_workers_s:g}: no node can hold one, or none was "
-                           "added in time; see `ray status`") from None
+    with relayed(logger) as ticks:  # every log_every_steps step's loss, accuracy and samples/s, while training runs
+        trainer = TorchTrainer(
+            train_worker,
+            train_loop_config={"spec": spec.model_dump(), "ticks": ticks},
+            datasets={"train": train_rows.random_shuffle(seed=cfg.seed), "validation": validation_rows},
+            dataset_config=data_config(),
+            scaling_config=ScalingConfig(
+                num_workers=the_plan.workers, use_gpu=the_plan.use_gpu, resources_per_worker={"CPU": the_plan.cpus_per_worker}
+            ),
+            torch_config=TorchConfig(backend="nccl" if the_plan.use_gpu else "gloo"),
+            run_config=RunConfig(
+                name="ray", storage_path=storage_path, storage_filesystem=filesystem,
+                worker_runtime_env={"env_vars": ZERO3_WORKER_ENV if cfg.zero_stage == 3 else {}},
+                checkpoint_config=CheckpointConfig(num_to_keep=2),
+                # A controller failure is the worker group not starting: retried, it would wait forever.
+                failure_config=FailureConfig(max_failures=cfg.max_failures, controller_failure_limit=0),
+            ),
+        )
+        # Ray Train reads how long a worker group may take to start, and how often its controller polls
+        # the workers, from the driver's environment (it passes them to its controller); no parameter
+        # sets them. The default poll, every 2 s, left the run up to 2 s behind its finished workers.
+        os.environ[WORKER_GROUP_START_TIMEOUT_S_ENV_VAR] = str(cfg.wait_for_workers_s)
+        os.environ[HEALTH_CHECK_INTERVAL_S_ENV_VAR] = str(HEALTH_CHECK_INTERVAL_S)
+        try:
+            trainer.fit()
+        except ControllerError as error:
+            if not isinstance(error.controller_failure, WorkerGroupStartupTimeoutError):
+                raise
+            gpu = " and 1 GPU" if the_plan.use_gpu else ""
+            raise RuntimeError(f"the Ray cluster did not make room for {the_plan.workers} training worker(s) of {the_plan.cpus_per_worker:g} CPU"
+                               f"{gpu} each within wait_for_workers_s={cfg.wait_for_workers_s:g}: no node can hold one, or none was "
+                               "added in time; see `ray status`") from None
     result = Result.model_validate(storage.read_json(storage.join(model_uri, STATE_FILE)))
     for row in result.history:
         logger.info(

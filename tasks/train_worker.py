@@ -42,6 +42,7 @@ from tasks import storage
 from tasks.config import TrainConfig
 from tasks.first_token import last_layer_at_first_token
 from tasks.predictor import padded
+from tasks.progress import Tick
 
 STATE_FILE = "training_state.json"  # beside the exported model: the history, the curve, the validation predictions
 IGNORED = -100  # the label of the rows the driver pads a split with: no loss, no metric, no prediction
@@ -171,10 +172,11 @@ def forward(engine, batch: dict, device: torch.device) -> tuple[torch.Tensor, to
 
 class Meter:
     """Training loss x rows, rows right and rows, summed on the device and read only every
-    `log_every_steps` steps: no sync per batch."""
+    `log_every_steps` steps: no sync per batch. Also the rows per second between two reads."""
 
     def __init__(self, device: torch.device):
         self.sums = torch.zeros(3, dtype=torch.float64, device=device)
+        self.read_at, self.rows_per_s = time.perf_counter(), 0.0
 
     def add(self, loss: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor) -> None:
         real = labels != IGNORED
@@ -185,6 +187,8 @@ class Meter:
         dist.all_reduce(self.sums)
         loss_x_rows, right, rows = self.sums.tolist()
         self.sums.zero_()
+        now = time.perf_counter()
+        self.read_at, self.rows_per_s = now, rows / (now - self.read_at)
         return Point(step=step, epoch=round(epoch, 4), loss=loss_x_rows / max(rows, 1), accuracy=right / max(rows, 1))
 
 
@@ -299,6 +303,12 @@ def setup(spec: WorkerSpec) -> tuple:
     return engine, device, tokenizer
 
 
+def tick(point: Point, max_steps: int, samples_per_s: float) -> Tick:
+    return Tick(stage="train", done=point.step, total=max_steps, unit="steps",
+                metrics={"loss": point.loss, "accuracy": point.accuracy, "samples_per_s": samples_per_s},
+                text=f"epoch {point.epoch:.2f}, loss {point.loss:.4f}, accuracy {point.accuracy:.3f}, {samples_per_s:.1f} samples/s")
+
+
 def train_worker(config: dict) -> None:
     """Epochs of micro-batches until the last epoch or max_steps, evaluating and checkpointing on the
     steps the config names and at every epoch's end; then rank 0 exports the model.
@@ -309,7 +319,7 @@ def train_worker(config: dict) -> None:
     trained twice; the dropout masks after the resume differ from an uninterrupted run's.
     """
     started = time.perf_counter()
-    spec = WorkerSpec.model_validate(config["spec"])
+    spec, ticks = WorkerSpec.model_validate(config["spec"]), config.get("ticks")  # ticks: tasks/progress.py Ticks
     cfg = spec.train
     engine, device, tokenizer = setup(spec)
     progress, pad_id, meter = resume(engine), tokenizer.pad_token_id or 0, Meter(device)
@@ -353,8 +363,8 @@ def train_worker(config: dict) -> None:
             step, position, pause_from = engine.global_steps, epoch + done / spec.batches_per_epoch, time.perf_counter()
             if step % cfg.log_every_steps == 0:
                 progress.curve.train.append(meter.point(step, position))
-                if dist.get_rank() == 0:
-                    print(f"step {step} (epoch {position:.2f}): loss {progress.curve.train[-1].loss:.4f}", flush=True)
+                if dist.get_rank() == 0 and ticks is not None:
+                    ticks.put.remote(tick(progress.curve.train[-1], spec.max_steps, meter.rows_per_s).model_dump())
             last = done == spec.batches_per_epoch or step >= spec.max_steps
             if cfg.eval_every_steps and step % cfg.eval_every_steps == 0 and not last:
                 evaluate(position)  # the epoch's end is evaluated below

@@ -25,6 +25,7 @@ from tasks.config import SHIPPED_DATA  # noqa: E402
 
 S3_KEY, S3_SECRET = "ftflow-test-key", "ftflow-test-secret-do-not-log"
 BUCKET = "ftflow-test"
+FTFLOW = str(Path(sys.executable).with_name("ftflow"))  # the console script, as a person runs it
 
 
 def free_port() -> int:

@@ -19,7 +19,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import BUCKET, free_port, write_jsonl
+from conftest import BUCKET, FTFLOW, free_port, write_jsonl
 from ray.job_submission import JobStatus, JobSubmissionClient, JobType
 
 from tasks import cluster, storage
@@ -71,7 +71,7 @@ def test_finetune_joins_a_ray_cluster_that_requires_a_token(tiny_model, small_da
 
         config = tmp_path / "params.json"
         config.write_text(params(tiny_model, small_data, str(tmp_path / "store")).model_dump_json())
-        run = subprocess.run([sys.executable, "-m", "flows.finetune", str(config)], cwd=ROOT,
+        run = subprocess.run([FTFLOW, "run", "--verbose", "--params", str(config)], cwd=ROOT,
                              env={**secured, "RAY_ADDRESS": f"127.0.0.1:{port}"}, capture_output=True, text=True, timeout=900)
         assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     finally:
@@ -133,7 +133,7 @@ def test_finetune_from_outside_the_cluster_as_ray_jobs(tiny_model, s3_data, tmp_
 
         config = tmp_path / "params.json"
         config.write_text(params(tiny_model, s3_data, f"s3://{BUCKET}/from-outside").model_dump_json())
-        run = subprocess.run([sys.executable, "-m", "flows.finetune", str(config)], cwd=ROOT,
+        run = subprocess.run([FTFLOW, "run", "--verbose", "--params", str(config)], cwd=ROOT,
                              env={**secured, "RAY_ADDRESS": url}, capture_output=True, text=True, timeout=900)
         assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
 
@@ -146,7 +146,7 @@ def test_finetune_from_outside_the_cluster_as_ray_jobs(tiny_model, s3_data, tmp_
                 in refused.stderr.splitlines()), refused.stderr[-3000:]
         client = JobSubmissionClient(url, headers={"Authorization": f"Bearer {token}"})
         # A flow run stopped mid-training (Prefect cancels one with SIGTERM) stops its job on the cluster.
-        cancelled = subprocess.Popen([sys.executable, "-m", "flows.finetune", str(config)], cwd=ROOT,
+        cancelled = subprocess.Popen([FTFLOW, "run", "--verbose", "--params", str(config)], cwd=ROOT,
                                      env={**secured, "RAY_ADDRESS": url}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         training = running_job(client, "ftflow-fit-", JobStatus.RUNNING, ignore={job.submission_id for job in client.list_jobs()})
         cancelled.send_signal(signal.SIGTERM)
@@ -262,7 +262,7 @@ def test_finetune_on_a_cluster_that_grows_and_shrinks(tiny_model, s3_data, tmp_p
         run_params.train = run_params.train.model_copy(update={"num_workers": 2, "cpus_per_worker": 2, **train})
         run_params.inference.actors = 2
         config.write_text(run_params.model_dump_json())
-        return subprocess.run([sys.executable, "-m", "flows.finetune", str(config)], cwd=ROOT, env=driver,
+        return subprocess.run([FTFLOW, "run", "--verbose", "--params", str(config)], cwd=ROOT, env=driver,
                               capture_output=True, text=True, timeout=900)
     try:
         time.sleep(3)  # the autoscaler's first report, by which a driver knows it is there

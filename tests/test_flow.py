@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -16,10 +16,13 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, LogFilter, LogFilterFlowRunId
+from prefect.client.schemas.filters import (ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterTaskRunId, ArtifactFilterType, LogFilter,
+                                            LogFilterFlowRunId, LogFilterTaskRunId, TaskRunFilter, TaskRunFilterName, TaskRunFilterState,
+                                            TaskRunFilterStateType)
+from prefect.client.schemas.objects import StateType
 from transformers import AutoModelForSequenceClassification
 
-from conftest import BUCKET, S3_KEY, S3_SECRET, write_jsonl
+from conftest import BUCKET, FTFLOW, S3_KEY, S3_SECRET, write_jsonl
 from test_train import kill_a_worker_once_a_checkpoint_is_committed
 from flows.finetune import finetune
 from tasks import storage
@@ -101,15 +104,43 @@ def run_artifacts(flow_run_id) -> dict[str, object]:
     return {a.key: a.data for a in found}
 
 
+def watch_training(seen: list[tuple[list[str], list[float]]], stop: threading.Event) -> None:
+    """What the Prefect API shows while a `train` task runs: its log's step lines, its progress artifact."""
+    running = TaskRunFilter(name=TaskRunFilterName(like_="train"), state=TaskRunFilterState(type=TaskRunFilterStateType(any_=[StateType.RUNNING])))
+    with get_client(sync_client=True) as client:
+        while not stop.wait(0.25):
+            for task_run in client.read_task_runs(task_run_filter=running):
+                logs = client.read_logs(log_filter=LogFilter(task_run_id=LogFilterTaskRunId(any_=[task_run.id])))
+                progress = client.read_artifacts(artifact_filter=ArtifactFilter(task_run_id=ArtifactFilterTaskRunId(any_=[task_run.id]),
+                                                                                type=ArtifactFilterType(any_=["progress"])))
+                if client.read_task_run(task_run.id).state.is_running():  # still, after both reads
+                    seen.append(([log.message for log in logs if re.match(r"train: \d+ / 256 steps, ", log.message)],
+                                 [artifact.data for artifact in progress]))
+
+
 def test_finetune_on_local_storage(ray_cluster, tiny_model, small_data, tmp_path):
-    state = finetune(params(tiny_model, small_data, str(tmp_path / "store")), return_state=True)
+    """Its artifacts; and while it trains, its step lines and a training progress artifact in the Prefect API."""
+    run_params = params(tiny_model, small_data, str(tmp_path / "store"))
+    seen, stop = [], threading.Event()
+    watcher = threading.Thread(target=watch_training, args=(seen, stop))
+    watcher.start()
+    try:
+        state = finetune(run_params, return_state=True)
+    finally:
+        stop.set()
+        watcher.join()
     summary = state.result()
+    assert any(lines and 0 < percent < 100 for lines, [percent] in seen), f"nothing live while training ran: {seen}"
     assert Path(summary["run_dir"]).parent == tmp_path / "store" / "runs"
     check_run(summary["run_dir"], summary, small_data)
     artifacts = run_artifacts(state.state_details.flow_run_id)
     assert {"test-metrics", "confusion-matrix", "promotion", "run-metrics"} <= set(artifacts)
     # The UI's copy of the report carries its two plots inline: the UI cannot read the store.
     assert artifacts["run-report"].count("](data:image/png;base64,") == 2
+    with get_client(sync_client=True) as client:
+        progress = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[state.state_details.flow_run_id]),
+                                                                        type=ArtifactFilterType(any_=["progress"])))
+    assert sorted(artifact.data for artifact in progress) == [100.0] * 3, "tokenization, training and batch inference, each done"
 
 
 def test_finetune_on_s3_leaks_no_credential(ray_cluster, tiny_model, small_data, capfd):
@@ -166,15 +197,6 @@ def test_bad_input_stops_the_flow_before_anything_is_written(tiny_model, small_d
     assert not (tmp_path / "store").exists()
 
 
-def test_a_typo_in_a_parameter_file_is_refused_in_one_line(tmp_path):
-    """At any depth, naming the key and the closest valid one, before Prefect or Ray start."""
-    typo = tmp_path / "params.json"
-    typo.write_text('{"train": {"epoch": 3}}')
-    run = subprocess.run([sys.executable, "-m", "flows.finetune", str(typo)], cwd=Path(__file__).parents[1],
-                         capture_output=True, text=True, timeout=120)
-    assert (run.returncode, run.stdout, run.stderr) == (2, "", f"{typo}: train: unknown parameter 'epoch': did you mean 'epochs'?\n")
-
-
 def test_a_storage_root_in_a_bucket_that_does_not_exist_is_refused_not_created(tiny_model, small_data, s3_endpoint):
     import boto3
 
@@ -221,12 +243,12 @@ def test_training_past_its_timeout_fails_and_frees_the_cluster(ray_cluster, tiny
 
 
 def test_a_driver_killed_mid_training_leaves_no_process_and_the_run_resumes(ray_stopped, tiny_model, small_data, tmp_path):
-    """`python -m flows.finetune` SIGKILLed once a checkpoint is committed: within 60 s none of its
+    """`ftflow run` SIGKILLed once a checkpoint is committed: within 60 s none of its
     processes (its Prefect server, its Ray's, the watcher) is left; the same run_id again resumes."""
     run = params(tiny_model, small_data, str(tmp_path / "store")).model_copy(update={"run_id": "killed"})
     run.train = run.train.model_copy(update={"checkpoint_every_steps": 10})
     (tmp_path / "params.json").write_text(run.model_dump_json())
-    driver = subprocess.Popen([sys.executable, "-m", "flows.finetune", str(tmp_path / "params.json")],
+    driver = subprocess.Popen([FTFLOW, "run", "--params", str(tmp_path / "params.json")],
                               cwd=Path(__file__).parents[1], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     snapshot = tmp_path / "store" / "runs" / "killed" / "train" / "ray" / "checkpoint_manager_snapshot.json"
     deadline = time.monotonic() + 300

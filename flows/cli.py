@@ -1,0 +1,274 @@
+"""`ftflow`: the command line of ftflow's flows and stack.
+
+    ftflow run [--params FILE] [--set train.epochs=3 ...]   the finetune flow
+    ftflow infer MODEL INPUT... OUTPUT [--batch-size 128 ...]  the batch_infer flow
+    ftflow params [--schema]                                 run's parameters: defaults, descriptions
+    ftflow stack up|down                                     the local stack (infra/local/stack.py)
+    ftflow deploy --pool NAME [--image IMAGE]                the deployments, on a work pool
+
+Parameters are validated as the Prefect form validates them (the same pydantic models), before any
+cluster work. Bad input is one line and exit code 2; any other failure one line and exit code 1;
+`--debug` shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import sys
+import traceback
+from pathlib import Path
+from collections.abc import Iterator
+from typing import Annotated, Any
+
+import typer
+import typer._click as click  # typer 0.29 carries its own click: its exceptions are these
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from flows import console
+from tasks.config import PROJECT_ROOT, FinetuneParams, InferenceConfig, one_line
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="rich", pretty_exceptions_enable=False,
+                  help="Fine-tune Hugging Face classifiers and label corpora with them: Prefect + Ray + DeepSpeed.")
+stack_app = typer.Typer(no_args_is_help=True, help="The local stack: Prefect server and UI, a Ray head, the deployments' runner.")
+app.add_typer(stack_app, name="stack")
+
+Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="Show Ray's, DeepSpeed's, transformers' and Prefect's own output too.")]
+Debug = Annotated[bool, typer.Option("--debug", help="On an error, show its traceback instead of one line.")]
+BAD_INPUT = (ValidationError, ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
+
+
+class BadInput(Exception):
+    """A parameter the command refuses: one line, exit code 2."""
+
+
+def about(field: str, model: type[BaseModel] = InferenceConfig) -> str:
+    return escape(model.model_fields[field].description or "")
+
+
+def fields(model: type[BaseModel], prefix: str = "") -> Iterator[tuple[str, Any, str]]:
+    """(dotted name, default, description) of every leaf field of a parameter model, in order."""
+    for name, field in model.model_fields.items():
+        kind = field.annotation
+        if isinstance(kind, type) and issubclass(kind, BaseModel):
+            yield from fields(kind, f"{prefix}{name}.")
+        else:
+            yield f"{prefix}{name}", field.get_default(call_default_factory=True), field.description or ""
+
+
+def fields_help(model: type[BaseModel]) -> str:
+    """--help's list of every field, its default and description (rich markup, a paragraph each)."""
+    return "\n\n".join(f"[bold]{name}[/] = {json.dumps(default)}" + (f"  {escape(about)}" if about else "")
+                       for name, default, about in fields(model))
+
+
+def escape(text: str) -> str:
+    return text.replace("[", r"\[")
+
+
+def as_yaml(model: type[BaseModel]) -> str:
+    """The defaults as a YAML file for --params, each field under its description as a comment."""
+    lines = ["# ftflow run --params <this file>: FinetuneParams; leave out what keeps its default."]
+    section = None
+    for name, default, about in fields(model):
+        *parents, leaf = name.split(".")
+        if parents and parents[0] != section:
+            section = parents[0]
+            lines.append(f"{section}:")
+        indent = "  " if parents else ""
+        if about:
+            lines.append(f"{indent}# {about}")
+        lines.append(f"{indent}{leaf}: {json.dumps(default)}")  # JSON is YAML: quoted paths, lists, null
+    return "\n".join(lines) + "\n"
+
+
+def value(text: str) -> Any:
+    """A --set or option value as YAML reads it: 3 -> int, 1e-4 -> float, [a, b] -> list, null -> None."""
+    try:
+        parsed = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+    return text if parsed is None and text.strip() not in ("null", "~", "None") else parsed
+
+
+def assigned(params: dict, assignment: str) -> dict:
+    """params with one `a.b=v` of --set applied (a copy)."""
+    path, sep, text = assignment.partition("=")
+    if not sep or not path:
+        raise BadInput(f"--set {assignment}: expected FIELD=VALUE, e.g. train.epochs=3")
+    *parents, leaf = path.strip().split(".")
+    result = json.loads(json.dumps(params))
+    where = result
+    for parent in parents:
+        where = where.setdefault(parent, {})
+        if not isinstance(where, dict):
+            raise BadInput(f"--set {assignment}: {parent} is not a group of fields")
+    where[leaf] = value(text)
+    return result
+
+
+def read_params(path: Path) -> dict:
+    try:
+        text = path.read_text()
+        given = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except OSError as error:
+        raise BadInput(f"{path}: {error.strerror}") from None
+    except (json.JSONDecodeError, yaml.YAMLError) as error:
+        raise BadInput(f"{path}: not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {' '.join(str(error).split())}") from None
+    if not isinstance(given or {}, dict):
+        raise BadInput(f"{path}: expected a mapping of parameters, got {type(given).__name__}")
+    return given or {}
+
+
+def finetune_params(params_file: Path | None, assignments: list[str]) -> FinetuneParams:
+    given = read_params(params_file) if params_file else {}
+    for assignment in assignments:
+        given = assigned(given, assignment)
+    try:
+        return FinetuneParams.model_validate(given)
+    except ValidationError as error:
+        where = f"{params_file}: " if params_file else ""
+        raise BadInput(where + one_line(error)) from None
+
+
+@app.command(epilog="[bold]Fields[/] (--set NAME=VALUE, or in the --params file):\n\n" + fields_help(FinetuneParams))
+def run(
+    params_file: Annotated[Path | None, typer.Option("--params", help="FinetuneParams as a JSON or YAML file (`ftflow params` writes one).")] = None,
+    assignments: Annotated[list[str], typer.Option("--set", help="One field, e.g. train.epochs=3 (repeatable; values as YAML; over --params).")] = [],
+    verbose: Verbose = False,
+    debug: Debug = False,
+) -> None:
+    """Fine-tune, evaluate, promote and label: the finetune flow, on the embedded defaults unless told."""
+    params = finetune_params(params_file, assignments)
+    from flows.finetune import finetune  # Prefect and the ML stack load only once the input is good
+
+    with console.session(verbose) as say:
+        summary = finetune(params)
+        say.result({"test accuracy": f"{summary['test_accuracy']:.4f}", "promoted": "yes" if summary["promoted"] else "no",
+                    "run id": summary["run_id"], "artifacts": summary["run_dir"], "report": f"{summary['run_dir']}/report/report.md"})
+
+
+@app.command()
+def params(schema: Annotated[bool, typer.Option("--schema", help="The JSON schema (what the Prefect form is built from) instead.")] = False) -> None:
+    """run's parameters: the defaults as YAML for --params, each under its description."""
+    print(json.dumps(FinetuneParams.model_json_schema(), indent=2) if schema else as_yaml(FinetuneParams), end="\n" if schema else "")
+
+
+@app.command()
+def infer(
+    model_uri: Annotated[str, typer.Argument(metavar="MODEL", help="A model folder (local or s3://), or models/<name>@champion: the "
+                                                                   "registry's champion under --storage-root.")],
+    input_uri: Annotated[list[str], typer.Argument(metavar="INPUT", help="Files, folders or globs to label (local or s3://).")],
+    output_uri: Annotated[str, typer.Argument(metavar="OUTPUT", help="Where the Parquet predictions go: a new folder, or one an "
+                                                                     "earlier ftflow job wrote.")],
+    text_column: Annotated[str, typer.Option(help="The column holding the text.")] = "text",
+    id_column: Annotated[str | None, typer.Option(help=about("id_column"))] = None,
+    batch_size: Annotated[int, typer.Option(help="Rows per forward pass.")] = 64,
+    window_rows: Annotated[int | None, typer.Option(help=about("window_rows"))] = None,
+    actors: Annotated[int | None, typer.Option(help=about("actors"))] = None,
+    device: Annotated[str, typer.Option(help=about("device"))] = "auto",
+    precision: Annotated[str, typer.Option(help=about("precision"))] = "auto",
+    wait_for_actors_s: Annotated[float | None, typer.Option(help=about("wait_for_actors_s"))] = None,
+    timeout_s: Annotated[float | None, typer.Option(help=about("timeout_s"))] = None,
+    ray_address: Annotated[str | None, typer.Option(help=about("ray_address", FinetuneParams))] = None,
+    storage_root: Annotated[str | None, typer.Option(help="Where models/ is; default: FTFLOW_STORAGE_ROOT or ./artifacts.")] = None,
+    verbose: Verbose = False,
+    debug: Debug = False,
+) -> None:
+    """Label every row of INPUT with MODEL: the batch_infer flow; Parquet (id, text, label, score) in OUTPUT."""
+    given = {name: value for name, value in locals().items() if name not in ("verbose", "debug") and value is not None}
+    from flows.batch_infer import batch_infer  # Prefect and the ML stack load only now
+
+    parameters = checked_infer_parameters(batch_infer, {**given, "input_uri": input_uri if len(input_uri) > 1 else input_uri[0]})
+    with console.session(verbose) as say:
+        result = batch_infer(**parameters)
+        say.result({"rows": f"{result['rows']:,}", "rows/s": f"{result['rows_per_s']:,.0f}", "predictions": output_uri})
+
+
+def checked_infer_parameters(flow, given: dict) -> dict:
+    """The flow's parameters validated as a run validates them, or one line per problem."""
+    from prefect.exceptions import ParameterTypeError
+
+    flows_logger = logging.getLogger("prefect.flows")
+    flows_logger.disabled = True  # Prefect logs the whole dump too: the one line below is the message
+    try:
+        return flow.validate_parameters(given)
+    except ParameterTypeError as error:
+        problems = [line.removeprefix(" - ") for line in str(error).splitlines()[1:]]
+        raise BadInput("; ".join(problems)) from None
+    finally:
+        flows_logger.disabled = False
+
+
+@stack_app.command()
+def up() -> None:
+    """Start what is not running yet; prints the UI and the addresses to use."""
+    local_stack().up()
+
+
+@stack_app.command()
+def down() -> None:
+    """Stop the runner (no new runs), then the Ray head, then the server."""
+    local_stack().down()
+
+
+def local_stack():
+    """infra/local/stack.py, a file of the checkout (infra/ is not a package: the stack is for a checkout)."""
+    spec = importlib.util.spec_from_file_location("ftflow_local_stack", PROJECT_ROOT / "infra" / "local" / "stack.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@app.command()
+def deploy(
+    pool: Annotated[str, typer.Option(help="The Prefect work pool that runs the flows.")],
+    image: Annotated[str | None, typer.Option(help="For pools that start a container per run: the image holding ftflow.")] = None,
+) -> None:
+    """Register the deployments (deployments/definitions.py) with a work pool of the server at PREFECT_API_URL.
+
+    A process pool's workers run each flow where ftflow is installed (infra/prefect/worker.yaml); a pool
+    that starts a container per run (Kubernetes, Docker) needs --image (infra/docker/Dockerfile). The
+    flows reach Ray through RAY_ADDRESS in the worker's or the job's environment. Nothing is built or pushed.
+    """
+    from prefect import deploy as register
+
+    from deployments.definitions import deployments, limit_concurrency
+
+    limit_concurrency()
+    register(*deployments(), work_pool_name=pool, image=image, build=False, push=False, ignore_warnings=True)
+
+
+def command_name(argv: list[str]) -> str:
+    return " ".join(["ftflow", *[a for a in argv[:1] if not a.startswith("-")]])
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The console script: errors as one line (exit 2 for bad input, 1 otherwise) unless --debug."""
+    argv = sys.argv[1:] if argv is None else argv
+    group = typer.main.get_group(app)
+    try:
+        group.main(argv, prog_name="ftflow", standalone_mode=False)
+    except typer.Exit as done:
+        sys.exit(done.exit_code)
+    except typer.Abort:
+        sys.exit(130)
+    except click.exceptions.ClickException as error:  # usage: an unknown option, a missing argument
+        console.error(f"{command_name(argv)}: {error.format_message()} (see --help)")
+        sys.exit(2)
+    except BaseException as error:
+        if isinstance(error, (SystemExit, KeyboardInterrupt)):
+            raise
+        if "--debug" in argv:
+            console.error(traceback.format_exc().rstrip())
+            sys.exit(2 if isinstance(error, (BadInput, *BAD_INPUT)) else 1)
+        bad = isinstance(error, (BadInput, *BAD_INPUT))
+        message = one_line(error) if isinstance(error, ValidationError) else str(error).strip().splitlines()[0] if str(error).strip() else ""
+        console.error(f"{command_name(argv)}: {message or type(error).__name__}" + ("" if bad else f" ({type(error).__name__}; --debug for the traceback)"))
+        sys.exit(2 if bad else 1)
+
+
+if __name__ == "__main__":
+    main()
