@@ -1,4 +1,4 @@
-# `make run`: set up and run the finetune flow on the embedded defaults.  `make test`: set up and test.
+# `make run`: set up and run the finetune flow on the embedded defaults (`ftflow run`).  `make test`: set up and test.
 PYTHON ?= python3.11
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -32,7 +32,7 @@ test: setup browser
 # The local stack (infra/local/stack.py): Prefect server + UI on 127.0.0.1:4200, a Ray head, and
 # the runner serving deployments/ (scheduled retraining, on-demand batch inference).
 stack-up: setup
-	$(PY) infra/local/stack.py up
+	$(VENV)/bin/ftflow stack up
 
 stack-down:
-	$(PY) infra/local/stack.py down
+	$(VENV)/bin/ftflow stack down

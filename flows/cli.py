@@ -5,6 +5,7 @@
     ftflow params [--schema]                                 run's parameters: defaults, descriptions
     ftflow stack up|down                                     the local stack (infra/local/stack.py)
     ftflow deploy --pool NAME [--image IMAGE]                the deployments, on a work pool
+    ftflow new-data TRAIN_URI                                the retraining deployment's "new data" event
 
 Parameters are validated as the Prefect form validates them (the same pydantic models), before any
 cluster work. Bad input is one line and exit code 2; any other failure one line and exit code 1;
@@ -220,6 +221,23 @@ def local_stack():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@app.command(name="new-data")
+def new_data(
+    train_uri: Annotated[str, typer.Argument(metavar="TRAIN_URI", help="The new training data: files, a folder or a glob (local or s3://).")],
+) -> None:
+    """Tell the Prefect server at PREFECT_API_URL that new training data is there: the retraining deployment
+    trains on it (event ftflow.data.arrived, deployments/definitions.py)."""
+    from prefect.settings import PREFECT_API_URL
+
+    from tasks.events import DATA_ARRIVED, data_arrived
+
+    if not PREFECT_API_URL.value():
+        raise BadInput("PREFECT_API_URL is not set: the event goes to the Prefect server the deployments are served from "
+                       "(`ftflow stack up` prints it)")
+    data_arrived(train_uri)
+    print(f"{DATA_ARRIVED}: {train_uri} (to {PREFECT_API_URL.value()})")
 
 
 @app.command()

@@ -17,30 +17,50 @@ import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import timedelta
 from importlib.util import find_spec
 from pathlib import Path
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import BarColumn, Progress, ProgressColumn, TaskID, TextColumn
+from rich.table import Column
+from rich.text import Text
 
 from tasks import storage
 from tasks.progress import RUN_DIR, STAGE, TICK, Tick
 
 PREFECT_CODE = str(Path(find_spec("prefect").origin).parent)
 RUN_LOGGERS = ("prefect.flow_runs", "prefect.task_runs")  # where a run's records go, whoever logs them
-TERMINAL: Console | None = None  # once output is redirected: the terminal
+ERRORS: Console | None = None  # once output is redirected: the terminal's stderr
 
 
 class Say:
     """What a command prints itself, on the terminal."""
 
-    def __init__(self, console: Console) -> None:
-        self.console, self.width = console, 0
+    def __init__(self, console: Console, bars: Progress | None = None) -> None:
+        self.console, self.bars, self.width = console, bars, 0
 
     def result(self, rows: dict[str, str]) -> None:
+        if self.bars is not None:
+            self.bars.stop()  # the bars stay as they ended, above the result
         self.width = max(self.width, *(len(name) + 1 for name in rows))
         for name, text in rows.items():
             self.console.print(f"{name + ':':<{self.width}} {text}", highlight=False, soft_wrap=True)
+
+
+class Status(ProgressColumn):
+    """A bar's counts, elapsed time, ETA and the tick's own words, as one text that a narrow terminal
+    cuts at its end (rich squeezes every column of its own alike, counts and ETA included)."""
+
+    def __init__(self) -> None:
+        super().__init__(table_column=Column(no_wrap=True, overflow="ellipsis"))
+
+    def render(self, task) -> Text:
+        of = f"/{task.total:,.0f}" if task.total is not None else ""
+        left = task.time_remaining
+        eta = f"  ETA {timedelta(seconds=round(left))}" if left is not None and not task.finished else ""
+        return Text(f"{task.completed:,.0f}{of} {task.fields['unit']}  {timedelta(seconds=round(task.elapsed or 0))}{eta}  "
+                    f"{task.fields['words']}", no_wrap=True, overflow="ellipsis")
 
 
 class Terminal(logging.Handler):
@@ -62,36 +82,36 @@ class Terminal(logging.Handler):
             event, stage = marks
             if event == "end" and (bar := self.stage_bars.get(stage)) is not None:
                 self.bars.update(bar, completed=self.bars.tasks[bar].total)  # the last tick may come before the last step
-            self.console.print(f"[bold]{'▶' if event == 'start' else '✓'} {record.getMessage()}[/]", highlight=False)
+            self.console.print(Text(f"{'▶' if event == 'start' else '✓'} {record.getMessage()}", style="bold"))
         else:
             style = {logging.WARNING: "yellow", logging.ERROR: "red"}.get(record.levelno, "dim")
-            self.console.print(f"  [{style}]{record.getMessage()}[/]", highlight=False, soft_wrap=True, markup=True)
+            self.console.print(Text(f"  {record.getMessage()}", style=style))
 
     def moved(self, tick: Tick) -> None:
         if tick.stage not in self.stage_bars:
             self.stage_bars[tick.stage] = self.bars.add_task(tick.stage, total=tick.total, unit=tick.unit, words="")
-        words = tick.line().split(f" {tick.unit}", 1)[-1].lstrip(", ")
-        self.bars.update(self.stage_bars[tick.stage], completed=tick.done, total=tick.total, words=words)
+        self.bars.update(self.stage_bars[tick.stage], completed=tick.done, total=tick.total, words=tick.words())
 
 
 def redirect(log_file: Path) -> Console:
     """File descriptors 1 and 2 into log_file for the rest of the process (its exit too: Ray's and
-    Prefect's shutdown print); a Console on the terminal they were, also kept as TERMINAL."""
-    global TERMINAL
+    Prefect's shutdown print); a Console on the terminal's stdout they were, and one on its stderr
+    kept as ERRORS."""
+    global ERRORS
     sys.stdout.flush()
     sys.stderr.flush()
-    terminal = os.fdopen(os.dup(1), "w", buffering=1)
+    out, err = (os.fdopen(os.dup(fd), "w", buffering=1) for fd in (1, 2))
     log = os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     os.dup2(log, 1)
     os.dup2(log, 2)
     os.close(log)
-    TERMINAL = Console(file=terminal, highlight=False, soft_wrap=True)
-    return TERMINAL
+    ERRORS = Console(file=err, highlight=False, soft_wrap=True)
+    return Console(file=out, highlight=False, soft_wrap=True)
 
 
 def error(text: str) -> None:
-    """An error's line (or --debug's traceback) on the terminal, redirected or not."""
-    (TERMINAL or Console(stderr=True, highlight=False, soft_wrap=True)).print(text, style="red", markup=False)
+    """An error's line (or --debug's traceback) on the terminal's stderr, redirected or not."""
+    (ERRORS or Console(stderr=True, highlight=False, soft_wrap=True)).print(text, style="red", markup=False)
 
 
 @contextmanager
@@ -104,10 +124,10 @@ def session(verbose: bool) -> Iterator[Say]:
         return
     log_file = Path(tempfile.mkdtemp(prefix="ftflow-")) / f"{time.strftime('%Y%m%d-%H%M%S')}.log"
     console = redirect(log_file)
-    bars = Progress(TextColumn("  {task.description:<15}"), BarColumn(bar_width=28), MofNCompleteColumn(),
-                    TextColumn("{task.fields[unit]}"), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
-                    TextColumn("{task.fields[words]}"), console=console, disable=not console.is_terminal)  # a pipe gets lines only
-    terminal, say = Terminal(console, bars), Say(console)
+    bars = Progress(TextColumn("  {task.description}", table_column=Column(no_wrap=True, min_width=17)), BarColumn(bar_width=24),
+                    Status(), console=console, disable=not console.is_terminal,  # a pipe gets the lines only
+                    redirect_stdout=False, redirect_stderr=False)  # Python's prints (Ray's workers') stay in the log
+    terminal, say = Terminal(console, bars), Say(console, bars)
     for name in RUN_LOGGERS:
         logging.getLogger(name).addHandler(terminal)
     try:

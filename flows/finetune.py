@@ -17,6 +17,7 @@ from tasks.registry import champion_pointer, promote
 from tasks.report import Stopwatch, publish_report
 from tasks.storage import RunStore, check_writable, refuse_overlap
 from tasks.tokenize import load_tokenizer, tokenize, tokenize_key
+from tasks.tracking import track
 from tasks.train import train
 
 
@@ -77,6 +78,7 @@ def finetune(params: FinetuneParams = FinetuneParams()) -> dict:
         metrics=results,
         seconds=took.seconds,
     )
+    track(params, store, results, took.seconds)  # to MLflow; a warning, never a failure, when it cannot
     return {"run_id": store.run_id, "run_dir": store.base, "test_accuracy": metrics["accuracy"], "metrics": metrics,
             "promoted": promotion["promoted"]}
 

@@ -59,7 +59,7 @@ def predict_files(model_uri: str, cfg: InferenceConfig, output_uri: str, ray_add
     """Label every row of every file cfg.input_uri names; Parquet (id, text, label, score) at
     output_uri, complete once output_uri/_SUCCESS.json exists (rows, input and model fingerprints)."""
     checked_inputs(model_uri, cfg, output_uri)  # bad input stops here, before any cluster work
-    progress = Tracked("batch inference: % of the rows labelled (estimated until every part is read)")
+    progress = Tracked("batch-inference-progress", "Batch inference: % of the rows labelled (estimated until every part is read)")
     result = jobs.run(labelled, ray_address, progress, model_uri=model_uri, cfg=cfg, output_uri=output_uri)
     progress.done()
     create_table_artifact(

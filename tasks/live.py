@@ -15,9 +15,9 @@ class Tracked(logging.LoggerAdapter):
     """The task run's logger, with a progress artifact that follows the ticks logged through it (from
     any thread: the sync client is asked for, since a Ray Job's log is followed in an event loop)."""
 
-    def __init__(self, description: str) -> None:
+    def __init__(self, key: str, description: str) -> None:
         super().__init__(get_run_logger())
-        self.artifact = create_progress_artifact(0.0, description=description, _sync=True)
+        self.artifact = create_progress_artifact(0.0, key=key, description=description, _sync=True)
         self.percent = 0.0
 
     def process(self, msg, kwargs):  # extra as given: the run logger adds the run's own

@@ -37,10 +37,12 @@ class Tick(BaseModel):
     def fraction(self) -> float | None:
         return min(1.0, self.done / self.total) if self.total else None
 
+    def words(self) -> str:
+        return self.text or ", ".join(f"{name} {value:.4g}" for name, value in self.metrics.items())
+
     def line(self) -> str:
         of = f" / {self.total:,.0f}" if self.total is not None else ""
-        words = self.text or ", ".join(f"{name} {value:.4g}" for name, value in self.metrics.items())
-        return f"{self.stage}: {self.done:,.0f}{of} {self.unit}" + (f", {words}" if words else "")
+        return f"{self.stage}: {self.done:,.0f}{of} {self.unit}" + (f", {self.words()}" if self.words() else "")
 
 
 def log_tick(log: logging.Logger, tick: Tick) -> None:

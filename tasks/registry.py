@@ -24,7 +24,7 @@ from datetime import datetime, timezone
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 
-from tasks import jobs, storage
+from tasks import events, jobs, storage
 from tasks.config import PromotionConfig
 from tasks.data import Split
 from tasks.evaluate import score
@@ -85,6 +85,8 @@ def promote(model_uri: str, metrics: dict, test: Split, cfg: PromotionConfig, ro
         promoted, verdict = False, f"not promoted: another run's model became `{cfg.model_name}`'s champion first"
         why = (f"{why}, but while this run compared, run {winner['run_id']} made {winner['model_uri']} the champion "
                f"({winner['metric']} {winner['value']:.4f}); the next run compares with it")
+    if promoted:  # for what a promotion triggers (deployments/definitions.py): labelling with the new champion
+        events.promoted(cfg.model_name, model_uri, cfg.metric, challenger, run_id, root)
     decision = {"promoted": promoted, "reason": why, "model_name": cfg.model_name, "metric": cfg.metric,
                 "challenger": challenger, "champion": champion, "previous_champion_uri": current and current["model_uri"],
                 "pointer": pointer}

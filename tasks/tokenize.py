@@ -163,7 +163,7 @@ def tokenize(
         if key.shards_exist():
             get_run_logger().info("using the tokenized shards at %s", key.target)
             return key.uris
-        progress = Tracked("tokenization: % of the shards written")
+        progress = Tracked("tokenization-progress", "Tokenization: % of the shards written")
         uris = jobs.run(tokenized_shards, ray_address, progress, key=key, splits=splits, model_name_or_path=model_name_or_path)
         progress.done()
         return uris

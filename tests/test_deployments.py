@@ -10,9 +10,9 @@ from tasks.train import TRAINING_TAG, train
 
 
 def test_retraining_is_scheduled_with_the_files_parameters():
-    retrain, on_demand = deployments()
+    retrain, on_promotion, on_demand = deployments()
     config = yaml.safe_load(RETRAIN_CONFIG.read_text())
-    assert (retrain.name, on_demand.name) == ("retrain", "on-demand")
+    assert (retrain.name, on_promotion.name, on_demand.name) == ("retrain", "on-promotion", "on-demand")
     schedule = retrain.schedules[0].schedule
     assert (schedule.cron, schedule.timezone) == (config["cron"], config["timezone"])
     assert retrain.parameters == {"params": config["parameters"]}, "only what the file sets: the rest is filled where it runs"

@@ -6,20 +6,25 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import threading
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import pyarrow.parquet as pq
 import pytest
+from mlflow import MlflowClient
+
+from prefect import flow
 
 from flows.batch_infer import batch_infer
 from flows.finetune import finetune
-from conftest import BUCKET
+from conftest import BUCKET, free_port
 from tasks import registry, storage
-from tasks.config import DataConfig, PromotionConfig
+from tasks.config import DataConfig, FinetuneParams, PromotionConfig
 from tasks.data import load_splits
 from tasks.registry import champion_pointer, promote, resolve
-from tasks.storage import MARKER
+from tasks.storage import MARKER, RunStore
+from tasks.tracking import track
 from test_flow import params
 
 
@@ -41,6 +46,18 @@ def test_a_model_that_loses_leaves_the_champion_untouched(ray_cluster, tiny_mode
     assert "< the champion's" in decision["reason"] and decision["previous_champion_uri"] == f"{first['run_dir']}/model"
     report = (tmp_path / "store" / "runs" / second["run_id"] / "report" / "report.md").read_text()
     assert f"Promotion: **not promoted**: `rt`'s champion stays ({decision['reason']})" in report
+
+    # Both runs side by side in MLflow (the default store under the storage root), as a person compares them.
+    client = MlflowClient(f"sqlite:///{root}/mlflow.db")
+    runs = {run.info.run_name: run for run in client.search_runs([client.get_experiment_by_name("rt").experiment_id])}
+    assert set(runs) == {first["run_id"], second["run_id"]}
+    for summary, promoted in ((first, "true"), (second, "false")):
+        run = runs[summary["run_id"]]
+        assert run.data.metrics["test_accuracy"] == summary["test_accuracy"] and run.data.tags["ftflow.promoted"] == promoted
+        assert run.data.tags["ftflow.model_uri"] == f"{summary['run_dir']}/model" and run.data.params["promotion.margin"] in ("0.0", "0.5")
+        assert [m.step for m in client.get_metric_history(run.info.run_id, "train_loss")] == list(range(10, 251, 10))
+        assert {a.path for a in client.list_artifacts(run.info.run_id, "report")} >= {"report/report.md", "report/training.png"}
+    assert runs[second["run_id"]].data.tags["ftflow.promotion"] == decision["reason"]
 
     out = batch_infer("models/rt@champion", str(small_data["test"]), str(tmp_path / "labelled"), storage_root=root)
     assert out["rows"] == 128 and len(pq.read_table(tmp_path / "labelled")) == 128
@@ -98,3 +115,23 @@ def test_two_promotions_racing_from_the_same_champion_exactly_one_wins(store, ra
     assert loser["previous_champion_uri"] == str(tiny_model) and loser["champion"] == decisions[winners[0]]["champion"]
     assert loser["reason"].endswith(f"but while this run compared, run {winners[0]} made {champion['model_uri']} the "
                                     f"champion (accuracy 1.0000); the next run compares with it")
+
+
+def test_an_unreachable_tracking_server_is_a_warning_not_a_failure(tmp_path, monkeypatch, caplog):
+    """The tracking task alone, in a flow run, against a port nothing listens on (a finished run's results)."""
+    port = free_port()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://user:secret@127.0.0.1:{port}")
+    store = RunStore(str(tmp_path), "r1")
+    results = {"test": {"accuracy": 0.5, "macro_f1": 0.5}, "promotion": {"promoted": False, "reason": "r"},
+               "training": {"curve": {"train": [], "validation": []}, "history": [{"samples_per_s": 1.0, "peak_memory_mb": 1.0}]}}
+
+    @flow
+    def tracked_alone() -> str | None:
+        return track(FinetuneParams(storage_root=str(tmp_path)), store, results, {"train": 1.0})
+
+    started = time.monotonic()
+    state = tracked_alone(return_state=True)
+    assert state.is_completed() and state.result() is None and time.monotonic() - started < 60
+    [warning] = [record for record in caplog.records if "MLflow" in record.getMessage()]
+    assert warning.levelname == "WARNING" and warning.getMessage().startswith(f"MLflow tracking at http://127.0.0.1:{port} failed, the run goes on: ")
+    assert "secret" not in warning.getMessage()

@@ -1,27 +1,30 @@
-"""The local stack as a person uses it: `make stack-up`, the Prefect UI in headless Chromium, a run
-of the retraining deployment with a changed parameter, its artifacts, the schedule; `make stack-down`.
+"""The local stack as a person uses it: `ftflow stack up`, the Prefect UI in headless Chromium, a run
+of the retraining deployment with a changed parameter, its artifacts, the schedule; `ftflow stack down`.
 
 Screenshots of the finished run and of its report land in test-artifacts/ (FTFLOW_TEST_ARTIFACTS).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
+import yaml
 from playwright.sync_api import expect, sync_playwright
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterDeploymentId, FlowRunFilterId
 from prefect.deployments import run_deployment
+from prefect.states import Cancelling
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
-from conftest import free_port
+from conftest import FTFLOW, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 SCREENSHOTS = Path(os.environ.get("FTFLOW_TEST_ARTIFACTS", ROOT / "test-artifacts"))
@@ -29,7 +32,7 @@ RUN_TIMEOUT_MS = 600_000
 
 
 def stack(command: str, env: dict[str, str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "infra/local/stack.py", command], cwd=ROOT, env=env,
+    return subprocess.run([FTFLOW, "stack", command], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
 
 
@@ -50,7 +53,10 @@ def local_stack(tmp_path):
         assert not [pid for pid in pids if Path(f"/proc/{pid}").exists()], "stack-down left processes running"
 
 
-def test_a_run_triggered_from_the_ui_completes_with_its_artifacts(local_stack, tiny_model):
+def test_a_run_triggered_from_the_ui_completes_with_its_artifacts_and_events_trigger_runs(local_stack, tiny_model, small_data,
+                                                                                           tmp_path):
+    """The UI run and one from the API (queued by the training limit); each promotion triggers the
+    batch-inference deployment with the promoted model; a "new data" event triggers retraining on it."""
     assert shutil.which("chromium"), "this test drives Debian's chromium: apt-get install chromium (make test does, as root)"
     ui = local_stack
     # A second training run at the same time, from the API: the concurrency limit must queue one.
@@ -89,6 +95,64 @@ def test_a_run_triggered_from_the_ui_completes_with_its_artifacts(local_stack, t
         trainings = sorted((t.start_time, t.end_time) for t in client.read_task_runs(flow_run_filter=both)
                            if t.task_key.startswith("train"))
         assert len(trainings) == 2 and trainings[0][1] <= trainings[1][0], "two training runs overlapped"
+        check_promotions_were_labelled(client, [from_ui, other], tmp_path / "store")
+        check_new_data_starts_retraining(client, ui, small_data["train"])
+
+
+def deployment_runs(client, name: str) -> list:
+    deployment = client.read_deployment_by_name(name)
+    return client.read_flow_runs(flow_run_filter=FlowRunFilter(deployment_id=FlowRunFilterDeploymentId(any_=[deployment.id])))
+
+
+def final(client, run, timeout_s: float = RUN_TIMEOUT_MS / 1000):
+    deadline = time.monotonic() + timeout_s
+    while not run.state.is_final() and time.monotonic() < deadline:
+        time.sleep(2)
+        run = client.read_flow_run(run.id)
+    return run
+
+
+def check_promotions_were_labelled(client, finetune_runs: list, store: Path) -> None:
+    """Each promotion's event started batch_infer/on-promotion with the promoted model (relabel.yaml)."""
+    promoted = {run.id: json.loads((store / "runs" / name / "manifest.json").read_text())
+                for run in finetune_runs for name in [run_folder(store, run)]}
+    promoted = {run_id: manifest["outputs"]["model"] for run_id, manifest in promoted.items()
+                if manifest["metrics"]["promotion"]["promoted"]}
+    assert promoted, "neither run was promoted: the first model of an empty registry always is"
+    for _ in range(60):  # the automation acts within seconds of the event
+        labelling = {run.parameters["model_uri"]: run for run in deployment_runs(client, "batch_infer/on-promotion")}
+        if len(labelling) == len(promoted):
+            break
+        time.sleep(1)
+    assert set(labelling) == set(promoted.values())
+    for model_uri, run in labelling.items():
+        assert final(client, run).state.is_completed()
+        labels = Path(run.parameters["output_uri"])
+        assert labels.parent == store / "labels" / "sentiment" and pq.read_table(labels).num_rows == 1066
+
+
+def run_folder(store: Path, run) -> str:
+    """The run folder of a finetune flow run (its id ends with the flow run's first 8 characters)."""
+    [name] = [path.name for path in (store / "runs").iterdir() if path.name.endswith(str(run.id)[:8])]
+    return name
+
+
+def check_new_data_starts_retraining(client, ui: str, train_uri: Path) -> None:
+    """`ftflow new-data` starts finetune/retrain with the event's train_uri over retrain.yaml's parameters; stopped then."""
+    before = {run.id for run in deployment_runs(client, "finetune/retrain")}
+    told = subprocess.run([FTFLOW, "new-data", str(train_uri)], env={**os.environ, "PREFECT_API_URL": f"{ui}/api"},
+                          capture_output=True, text=True, timeout=60)
+    assert told.returncode == 0, told.stderr
+    for _ in range(60):
+        [started] = [run for run in deployment_runs(client, "finetune/retrain") if run.id not in before] or [None]
+        if started:
+            break
+        time.sleep(1)
+    assert started, "the new-data event started no retraining run"
+    assert started.parameters["params"]["data"]["train_uri"] == str(train_uri)
+    assert started.parameters["params"]["train"] == yaml.safe_load((ROOT / "deployments" / "retrain.yaml").read_text())["parameters"]["train"]
+    client.set_flow_run_state(started.id, Cancelling(), force=True)
+    assert final(client, client.read_flow_run(started.id), 120).state.is_cancelled()
 
 
 def the_other_run(ui: str, besides: str) -> str:
@@ -126,10 +190,16 @@ def run_from_the_ui(page, ui: str, tiny_model, besides: str) -> str:
     expect(state).to_have_text(re.compile("Completed|Failed|Crashed|Cancelled"), timeout=RUN_TIMEOUT_MS)
     expect(state).to_have_text("Completed")
     page.get_by_text("Artifacts", exact=True).click()
-    for key in ("run-report", "run-metrics", "test-metrics", "confusion-matrix", "promotion", "batch-inference-throughput"):
+    for key in ("run-report", "run-metrics", "test-metrics", "confusion-matrix", "promotion", "batch-inference-throughput",
+                "training-progress", "batch-inference-progress"):
         expect(page.get_by_text(key).first).to_be_visible()
     page.screenshot(path=SCREENSHOTS / "finetune-run-from-the-ui.png", full_page=True)
     open_the_report(page)
+    page.goto(f"{ui}/runs/flow-run/{run_id}")
+    page.get_by_text("Artifacts", exact=True).click()
+    page.get_by_text("training-progress", exact=True).first.click()
+    expect(page.get_by_text("Progress: 100%")).to_be_visible()  # the UI's rendering of a progress artifact
+    page.screenshot(path=SCREENSHOTS / "training-progress-in-the-ui.png", full_page=True)
     return run_id
 
 
