@@ -227,8 +227,9 @@ def local_stack():
 def new_data(
     train_uri: Annotated[str, typer.Argument(metavar="TRAIN_URI", help="The new training data: files, a folder or a glob (local or s3://).")],
 ) -> None:
-    """Tell the Prefect server at PREFECT_API_URL that new training data is there: the retraining deployment
-    trains on it (event ftflow.data.arrived, deployments/definitions.py)."""
+    """Tell the Prefect server at PREFECT_API_URL that new training data is there: finetune/retrain trains on it.
+
+    The event ftflow.data.arrived (tasks/events.py) triggers the retraining deployment (deployments/definitions.py)."""
     from prefect.settings import PREFECT_API_URL
 
     from tasks.events import DATA_ARRIVED, data_arrived
@@ -266,26 +267,31 @@ def command_name(argv: list[str]) -> str:
 def main(argv: list[str] | None = None) -> None:
     """The console script: errors as one line (exit 2 for bad input, 1 otherwise) unless --debug."""
     argv = sys.argv[1:] if argv is None else argv
-    group = typer.main.get_group(app)
     try:
-        group.main(argv, prog_name="ftflow", standalone_mode=False)
+        typer.main.get_group(app).main(argv, prog_name="ftflow", standalone_mode=False)
     except typer.Exit as done:
         sys.exit(done.exit_code)
-    except typer.Abort:
+    except (typer.Abort, KeyboardInterrupt):
         sys.exit(130)
+    except click.exceptions.NoArgsIsHelpError:  # the help is printed: a usage error with nothing more to say
+        sys.exit(2)
     except click.exceptions.ClickException as error:  # usage: an unknown option, a missing argument
         console.error(f"{command_name(argv)}: {error.format_message()} (see --help)")
         sys.exit(2)
-    except BaseException as error:
-        if isinstance(error, (SystemExit, KeyboardInterrupt)):
-            raise
+    except Exception as error:  # noqa: BLE001: every failure ends as one line, its traceback only when asked
+        bad = isinstance(error, (BadInput, *BAD_INPUT))
         if "--debug" in argv:
             console.error(traceback.format_exc().rstrip())
-            sys.exit(2 if isinstance(error, (BadInput, *BAD_INPUT)) else 1)
-        bad = isinstance(error, (BadInput, *BAD_INPUT))
-        message = one_line(error) if isinstance(error, ValidationError) else str(error).strip().splitlines()[0] if str(error).strip() else ""
-        console.error(f"{command_name(argv)}: {message or type(error).__name__}" + ("" if bad else f" ({type(error).__name__}; --debug for the traceback)"))
+        else:
+            console.error(f"{command_name(argv)}: {first_line(error)}" + ("" if bad else f" ({type(error).__name__}; --debug for the traceback)"))
         sys.exit(2 if bad else 1)
+
+
+def first_line(error: Exception) -> str:
+    if isinstance(error, ValidationError):
+        return one_line(error)
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else type(error).__name__
 
 
 if __name__ == "__main__":

@@ -169,6 +169,7 @@ def test_finetune_from_outside_the_cluster_as_ray_jobs(tiny_model, s3_data, tmp_
     # The stages' own lines, from the jobs' logs, in the flow run's log as they came.
     assert re.search(r"Task run 'train-\w+' - training on 1 CPU worker", log), log[-3000:]
     assert re.search(r"Task run 'tokenize-\w+' - tokenized \{'train': 2048", log)
+    assert re.search(r"Task run 'train-\w+' - train: 10 / \d+ steps, epoch ", log), "the training's ticks came back on the job's log"
     assert "WebSocket closed" not in log
 
 

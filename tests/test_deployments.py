@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import subprocess
+import uuid
+
 import pytest
 import yaml
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.actions import WorkPoolCreate
+from prefect.exceptions import ObjectNotFound
+from prefect.settings import PREFECT_API_URL
 
+from conftest import FTFLOW
 from deployments.definitions import RETRAIN_CONFIG, deployments
 from tasks.train import TRAINING_TAG, train
 
@@ -37,3 +47,30 @@ def test_a_bad_key_or_value_in_the_file_is_refused_before_serving_in_one_line(tm
     with pytest.raises(ValueError) as refused:
         deployments(bad)
     assert str(refused.value) == f"{bad}: {message}"
+
+
+def test_ftflow_deploy_registers_them_with_a_work_pool_and_their_triggers():
+    """`ftflow deploy --pool` against the test server (its deployments, automations and limit removed after)."""
+    pool, api = f"pool-{uuid.uuid4().hex[:8]}", PREFECT_API_URL.value()
+    with get_client(sync_client=True) as client:
+        client.create_work_pool(WorkPoolCreate(name=pool, type="process"))
+        try:
+            run = subprocess.run([FTFLOW, "deploy", "--pool", pool], env={**os.environ, "PREFECT_API_URL": api},
+                                 capture_output=True, text=True, timeout=120)
+            assert run.returncode == 0, run.stdout + run.stderr
+            deployed = {name: client.read_deployment_by_name(name) for name in
+                        ("finetune/retrain", "batch_infer/on-promotion", "batch_infer/on-demand")}
+            assert {deployment.work_pool_name for deployment in deployed.values()} == {pool}
+            triggers = {automation.name: automation for deployment in deployed.values()
+                        for automation in client.read_resource_related_automations(f"prefect.deployment.{deployment.id}")}
+            assert set(triggers) == {"new training data", "sentiment promoted"}
+            assert client.read_concurrency_limit_by_tag(TRAINING_TAG).concurrency_limit == 1
+        finally:
+            for name in ("finetune/retrain", "batch_infer/on-promotion", "batch_infer/on-demand"):
+                with contextlib.suppress(ObjectNotFound):
+                    deployment = client.read_deployment_by_name(name)
+                    client.delete_resource_owned_automations(f"prefect.deployment.{deployment.id}")
+                    client.delete_deployment(deployment.id)
+            with contextlib.suppress(ObjectNotFound):
+                client.delete_concurrency_limit_by_tag(TRAINING_TAG)
+            client.delete_work_pool(pool)
