@@ -42,7 +42,7 @@ from tasks import storage
 from tasks.config import TrainConfig
 from tasks.first_token import last_layer_at_first_token
 from tasks.predictor import padded
-from tasks.progress import Tick
+from tasks.progress import Tick, post
 
 STATE_FILE = "training_state.json"  # beside the exported model: the history, the curve, the validation predictions
 IGNORED = -100  # the label of the rows the driver pads a split with: no loss, no metric, no prediction
@@ -319,7 +319,7 @@ def train_worker(config: dict) -> None:
     trained twice; the dropout masks after the resume differ from an uninterrupted run's.
     """
     started = time.perf_counter()
-    spec, ticks = WorkerSpec.model_validate(config["spec"]), config.get("ticks")  # ticks: tasks/progress.py Ticks
+    spec, ticks = WorkerSpec.model_validate(config["spec"]), config.get("ticks")  # ticks: a tasks/progress.py channel
     cfg = spec.train
     engine, device, tokenizer = setup(spec)
     progress, pad_id, meter = resume(engine), tokenizer.pad_token_id or 0, Meter(device)
@@ -364,7 +364,7 @@ def train_worker(config: dict) -> None:
             if step % cfg.log_every_steps == 0:
                 progress.curve.train.append(meter.point(step, position))
                 if dist.get_rank() == 0 and ticks is not None:
-                    ticks.put.remote(tick(progress.curve.train[-1], spec.max_steps, meter.rows_per_s).model_dump())
+                    post(ticks, tick(progress.curve.train[-1], spec.max_steps, meter.rows_per_s))
             last = done == spec.batches_per_epoch or step >= spec.max_steps
             if cfg.eval_every_steps and step % cfg.eval_every_steps == 0 and not last:
                 evaluate(position)  # the epoch's end is evaluated below
