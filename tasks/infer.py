@@ -59,9 +59,8 @@ def predict_files(model_uri: str, cfg: InferenceConfig, output_uri: str, ray_add
     """Label every row of every file cfg.input_uri names; Parquet (id, text, label, score) at
     output_uri, complete once output_uri/_SUCCESS.json exists (rows, input and model fingerprints)."""
     checked_inputs(model_uri, cfg, output_uri)  # bad input stops here, before any cluster work
-    progress = Tracked("batch-inference-progress", "Batch inference: % of the rows labelled (estimated until every part is read)")
-    result = jobs.run(labelled, ray_address, progress, model_uri=model_uri, cfg=cfg, output_uri=output_uri)
-    progress.done()
+    with Tracked("batch-inference-progress", "Batch inference: % of the rows labelled (estimated until every part is read)") as progress:
+        result = jobs.run(labelled, ray_address, progress, model_uri=model_uri, cfg=cfg, output_uri=output_uri)
     create_table_artifact(
         key="batch-inference-throughput",
         table=[{key: result[key] for key in ("rows", "files", "seconds", "rows_per_s", "actors", "parts")}],

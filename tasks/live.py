@@ -13,7 +13,8 @@ from tasks.progress import TICK
 
 class Tracked(logging.LoggerAdapter):
     """The task run's logger, with a progress artifact that follows the ticks logged through it (from
-    any thread: the sync client is asked for, since a Ray Job's log is followed in an event loop)."""
+    any thread: the sync client is asked for, since a Ray Job's log is followed in an event loop),
+    and reads 100% once the block it opens ends without an error."""
 
     def __init__(self, key: str, description: str) -> None:
         super().__init__(get_run_logger())
@@ -30,6 +31,9 @@ class Tracked(logging.LoggerAdapter):
             update_progress_artifact(self.artifact, self.percent, _sync=True)
         super().log(level, msg, *args, **kwargs)
 
-    def done(self) -> None:
-        if self.percent != 100.0:
+    def __enter__(self) -> Tracked:
+        return self
+
+    def __exit__(self, error_type, *_) -> None:
+        if error_type is None and self.percent != 100.0:
             update_progress_artifact(self.artifact, 100.0, _sync=True)

@@ -108,14 +108,14 @@ def _tokenize_splits(splits: dict[str, Split], tokenizer: Tokenizer, targets: di
         fs.makedirs(path, exist_ok=True)
     cpus = max(1, int(cluster.Resources.of_cluster().cpus))
     schema, tokenizer = ray.put(splits["train"].schema), ray.put(tokenizer)
-    running, written, finished, planned = {}, dict.fromkeys(SPLITS, 0), [], shards(splits, cpus)
+    running, written, planned = {}, dict.fromkeys(SPLITS, 0), shards(splits, cpus)
     try:
-        for shard in planned:
+        for started, shard in enumerate(planned):
             if len(running) == cpus:
-                collect(running, written, finished, len(planned))
+                collect(running, written, started - len(running) + 1, len(planned))
             running[write.remote(shard, schema, tokenizer, targets[shard.split], job)] = shard.split
         while running:
-            collect(running, written, finished, len(planned))
+            collect(running, written, len(planned) - len(running) + 1, len(planned))
     except BaseException:
         # A shard failed (or the run was stopped): the others must not write on into the folder a
         # retry is about to claim, where a file finished afterwards would join the next set's rows.
@@ -125,12 +125,11 @@ def _tokenize_splits(splits: dict[str, Split], tokenizer: Tokenizer, targets: di
     return written
 
 
-def collect(running: dict, written: dict[str, int], finished: list, planned: int) -> None:
-    """Wait for one of the running shards; add its rows to its split's and it to `finished`; tell how far it is."""
+def collect(running: dict, written: dict[str, int], finished: int, planned: int) -> None:
+    """Wait for one of the running shards; add its rows to its split's; tell that `finished` of `planned` are done."""
     [done], _ = ray.wait(list(running), num_returns=1)
     written[running.pop(done)] += ray.get(done)
-    finished.append(done)
-    log_tick(jobs.log, Tick(stage="tokenize", done=len(finished), total=planned, unit="shards", text=f"{sum(written.values()):,} rows"))
+    log_tick(jobs.log, Tick(stage="tokenize", done=finished, total=planned, unit="shards", text=f"{sum(written.values()):,} rows"))
 
 
 # How long a run that died holding a shard set's writer slot keeps it: Prefect renews the lease
@@ -163,10 +162,8 @@ def tokenize(
         if key.shards_exist():
             get_run_logger().info("using the tokenized shards at %s", key.target)
             return key.uris
-        progress = Tracked("tokenization-progress", "Tokenization: % of the shards written")
-        uris = jobs.run(tokenized_shards, ray_address, progress, key=key, splits=splits, model_name_or_path=model_name_or_path)
-        progress.done()
-        return uris
+        with Tracked("tokenization-progress", "Tokenization: % of the shards written") as progress:
+            return jobs.run(tokenized_shards, ray_address, progress, key=key, splits=splits, model_name_or_path=model_name_or_path)
 
 
 def tokenized_shards(key: TokenizeKey, splits: dict[str, Split], model_name_or_path: str) -> dict[str, str]:

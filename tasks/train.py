@@ -184,10 +184,8 @@ def train(tokenized: dict[str, str], model: ModelConfig, label_names: list[str],
           ray_address: str | None = None) -> Result:
     """Fine-tune on the tokenized splits; the consolidated model lands in <run_dir>/model. Returns
     the per-epoch history, the loss and accuracy per step, and the validation predictions."""
-    progress = Tracked("training-progress", "Training: % of its optimizer steps done")
-    result = jobs.run(fit, ray_address, progress, tokenized=tokenized, model=model, label_names=label_names, cfg=cfg, run_dir=run_dir)
-    progress.done()
-    return result
+    with Tracked("training-progress", "Training: % of its optimizer steps done") as progress:
+        return jobs.run(fit, ray_address, progress, tokenized=tokenized, model=model, label_names=label_names, cfg=cfg, run_dir=run_dir)
 
 
 def fit(tokenized: dict[str, str], model: ModelConfig, label_names: list[str], cfg: TrainConfig, run_dir: str) -> Result:

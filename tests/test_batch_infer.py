@@ -55,9 +55,11 @@ def test_every_row_of_every_file_gets_one_prediction(ray_cluster, tiny_model, co
     assert out == {"output_uri": str(tmp_path / "predictions"), "rows": 600, "files": 3}
     messages, artifacts = prefect_records(state.state_details.flow_run_id)
     # Progress while it runs: under load the actors may still be loading when it is logged, so the
-    # count may be 0 and the total not yet known ('?'); the final line is asserted below.
-    progress = r"labelled [\d,]+ / (600 rows|(~[\d,]+|\?) rows \(\d/3 parts done\)), \d+ rows/s"
-    assert any(re.fullmatch(progress, m) for m in messages)
+    # count may be 0 and the total not yet known; then the final tick and line.
+    progress = r"batch inference: [\d,]+( / [\d,]+)? rows, [\d,]+ rows/s \(total estimated; \d/3 parts done\)"
+    assert any(re.fullmatch(progress, m) for m in messages), messages
+    ticks = [m for m in messages if re.match(r"batch inference: [\d,]+( / [\d,]+)? rows, ", m)]
+    assert re.fullmatch(r"batch inference: 600 / 600 rows, [\d,]+ rows/s", ticks[-1])
     assert any(m.startswith("labelled 600 rows from 3 file(s)") for m in messages)
     assert "batch-inference-throughput" in artifacts
     report = artifacts["batch-inference-report"]
