@@ -21,7 +21,6 @@ import argparse
 import json
 import sys
 import tempfile
-import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -38,6 +37,7 @@ from tasks import cluster  # noqa: E402
 from tasks.config import InferenceConfig, ModelConfig  # noqa: E402
 from tasks.data import iter_frames  # noqa: E402
 from tasks.infer import predict_files  # noqa: E402
+from tasks.progress import periodically  # noqa: E402
 from tiny_model import make_tiny_bert  # noqa: E402
 
 BATCH = 64
@@ -109,21 +109,15 @@ def start_prefect() -> None:
 @contextmanager
 def peak_ray_worker_rss() -> dict:
     """{"mib": peak resident memory of any one Ray worker process}, sampled every 0.2 s."""
-    peak, stop = {"mib": 0.0}, threading.Event()
+    peak = {"mib": 0.0}
 
     def sample() -> None:
-        while not stop.wait(0.2):
-            for proc in psutil.process_iter(["cmdline", "memory_info"]):
-                if proc.info["cmdline"] and proc.info["cmdline"][0].startswith("ray::") and proc.info["memory_info"]:
-                    peak["mib"] = max(peak["mib"], proc.info["memory_info"].rss / 2**20)
+        for proc in psutil.process_iter(["cmdline", "memory_info"]):
+            if proc.info["cmdline"] and proc.info["cmdline"][0].startswith("ray::") and proc.info["memory_info"]:
+                peak["mib"] = max(peak["mib"], proc.info["memory_info"].rss / 2**20)
 
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    try:
+    with periodically(sample, 0.2):
         yield peak
-    finally:
-        stop.set()
-        sampler.join()
 
 
 def timed(run) -> tuple[int, float]:

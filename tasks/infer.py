@@ -4,7 +4,6 @@ part at a time, Parquet out."""
 from __future__ import annotations
 
 import os
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -21,7 +20,7 @@ from tasks.config import InferenceConfig
 from tasks.data import cut, numbered, rows_per_byte, unlabelled_files
 from tasks.labeller import Labeller
 from tasks.live import Tracked
-from tasks.progress import Tick, log_tick
+from tasks.progress import Tick, log_tick, periodically
 from tasks.retries import RETRY_TRANSIENT
 
 PROGRESS_EVERY_S = 5.0
@@ -182,23 +181,19 @@ def logging_progress(parts: list[dict], logger) -> Iterator[ray.actor.ActorHandl
     PROGRESS_EVERY_S: rows labelled of the total, and rows/s. The total is exact once every part is
     done; before, an estimate from the bytes done so far (counting rows up front would read the
     corpus twice)."""
-    progress, stop, started = Progress.remote(), threading.Event(), time.perf_counter()
+    progress, started = Progress.remote(), time.perf_counter()
     total_bytes = sum(part["size"] for part in parts)
 
     def report() -> None:
-        while not stop.wait(PROGRESS_EVERY_S):
-            parts_done, bytes_done, rows_done, labelled = ray.get(progress.counts.remote())
-            rate = labelled / (time.perf_counter() - started)
-            total = rows_done if parts_done == len(parts) else rows_done * total_bytes / bytes_done if bytes_done else None
-            estimated = "" if parts_done == len(parts) else f" (total estimated; {parts_done}/{len(parts)} parts done)"
-            log_tick(logger, Tick(stage="batch inference", done=labelled, total=total, unit="rows", metrics={"rows_per_s": rate},
-                                  text=f"{rate:,.0f} rows/s{estimated}"))
+        parts_done, bytes_done, rows_done, labelled = ray.get(progress.counts.remote())
+        rate = labelled / (time.perf_counter() - started)
+        total = rows_done if parts_done == len(parts) else rows_done * total_bytes / bytes_done if bytes_done else None
+        estimated = "" if parts_done == len(parts) else f" (total estimated; {parts_done}/{len(parts)} parts done)"
+        log_tick(logger, Tick(stage="batch inference", done=labelled, total=total, unit="rows", metrics={"rows_per_s": rate},
+                              text=f"{rate:,.0f} rows/s{estimated}"))
 
-    reporter = threading.Thread(target=report, daemon=True)
-    reporter.start()
     try:
-        yield progress
+        with periodically(report, PROGRESS_EVERY_S):
+            yield progress
     finally:
-        stop.set()
-        reporter.join()
         ray.kill(progress)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from pydantic import BaseModel
@@ -52,30 +52,42 @@ def log_tick(log: logging.Logger, tick: Tick) -> None:
 
 
 @contextmanager
+def periodically(action: Callable[[], None], every_s: float, last: bool = False) -> Iterator[None]:
+    """action() every every_s seconds in a thread of its own while the block runs (and once more
+    after it, if last): how a driver follows what its Ray workers report."""
+    stop = threading.Event()
+
+    def repeat() -> None:
+        while not stop.wait(every_s):
+            action()
+        if last:
+            action()
+
+    thread = threading.Thread(target=repeat, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+@contextmanager
 def relayed(log: logging.Logger) -> Iterator[str]:
     """A channel for Ray workers to post() ticks on; while the block runs, its ticks are logged on
     `log` in order. The channel is a key prefix in Ray's GCS key-value store, which every driver and
     worker already talks to: an actor as the inbox took one of the warm Ray worker processes the
     training workers start in, and the main job's first training step came 3 s later (16.8 -> 20.0 s)."""
-    channel, stop = f"{uuid.uuid4().hex}/", threading.Event()
+    channel = f"{uuid.uuid4().hex}/"
 
     def drain() -> None:
-        while True:
-            stopping = stop.wait(DRAIN_EVERY_S)
-            for key in sorted(internal_kv._internal_kv_list(channel, namespace=NAMESPACE)):
-                tick = internal_kv._internal_kv_get(key, namespace=NAMESPACE)
-                internal_kv._internal_kv_del(key, namespace=NAMESPACE)
-                log_tick(log, Tick.model_validate_json(tick))
-            if stopping:
-                return
+        for key in sorted(internal_kv._internal_kv_list(channel, namespace=NAMESPACE)):
+            tick = internal_kv._internal_kv_get(key, namespace=NAMESPACE)
+            internal_kv._internal_kv_del(key, namespace=NAMESPACE)
+            log_tick(log, Tick.model_validate_json(tick))
 
-    drainer = threading.Thread(target=drain, daemon=True)
-    drainer.start()
-    try:
+    with periodically(drain, DRAIN_EVERY_S, last=True):
         yield channel
-    finally:
-        stop.set()
-        drainer.join()
 
 
 def post(channel: str, tick: Tick) -> None:
