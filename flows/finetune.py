@@ -18,7 +18,7 @@ from tasks.report import Stopwatch, publish_report
 from tasks.storage import RunStore, check_writable, refuse_overlap
 from tasks.tokenize import load_tokenizer, tokenize, tokenize_key
 from tasks.tracking import track
-from tasks.train import train
+from tasks.train import check_parallelism, train
 
 
 def new_run_id() -> str:
@@ -37,6 +37,7 @@ def finetune(params: FinetuneParams = FinetuneParams()) -> dict:
     took = Stopwatch(logger)
     store = RunStore(params.storage_root, params.run_id or new_run_id())
     splits = load_splits(params.data)  # bad input stops here, before Ray or storage are touched
+    check_parallelism(params.train, params.model)
     inference = params.inference.model_copy(update={"input_uri": params.inference.input_uri or list(splits["test"].uris),
                                                      "text_column": params.inference.text_column or params.data.text_column})
     to_label = unlabelled_files(inference.input_uri, inference.text_column, inference.id_column)  # and the files to label

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import ray
 from ray._private import ray_constants
+from ray.util.placement_group import NODE_ID_LABEL_KEY
 
 from tasks import storage
 from tasks.config import Device
@@ -105,6 +106,31 @@ def describe() -> dict:
     resources = Resources.of_cluster()
     return {"gcs_address": ray.get_runtime_context().gcs_address, "nodes": len(ray.nodes()),
             "cpus": resources.cpus, "gpus": resources.gpus}
+
+
+def groups_on_nodes(workers: int, group: int, cpus_per_worker: float, use_gpu: bool) -> list[dict[str, str]] | None:
+    """Ray label selectors, one per worker in rank order, that put every `group` consecutive workers on
+    one node, the nodes that hold the most groups first: tensor-parallel ranks all-reduce inside every
+    layer, and a node's links are the fastest. DeepSpeed's tensor-parallel groups are consecutive ranks,
+    and Ray Train ranks its workers node by node, so a node holding whole groups holds them whole.
+    None (Ray's packing alone) for groups of one, on one node, and on a cluster that grows: the nodes
+    an autoscaler will add have no id to name yet."""
+    nodes = [node for node in ray.nodes() if node["Alive"]]
+    if group == 1 or len(nodes) == 1 or autoscaled():
+        return None
+
+    def groups_held(node: dict) -> int:
+        held = node["Resources"].get("GPU", 0) if use_gpu else node["Resources"].get("CPU", 0) / cpus_per_worker
+        return int(held + 1e-9) // group
+
+    selectors: list[dict[str, str]] = []
+    for node in sorted(nodes, key=groups_held, reverse=True):
+        selectors += [{NODE_ID_LABEL_KEY: node["NodeID"]}] * (group * min(groups_held(node), (workers - len(selectors)) // group))
+    if len(selectors) < workers:
+        device = "GPU" if use_gpu else f"{cpus_per_worker:g} CPU"
+        raise ValueError(f"tensor_parallel_size={group}: the Ray cluster's nodes hold {len(selectors) // group} group(s) of {group} workers "
+                         f"of {device} each, and the run needs {workers // group}: use fewer workers or a smaller tensor_parallel_size")
+    return selectors
 
 
 @dataclass(frozen=True)

@@ -118,6 +118,9 @@ class TrainConfig(Strict):
     )
     offload_optimizer: bool = Field(False, description="Keep optimizer state in CPU memory (DeepSpeedCPUAdam); ZeRO 1-3.")
     offload_params: bool = Field(False, description="Keep parameters in CPU memory between uses; ZeRO 3 only.")
+    tensor_parallel_size: int = Field(1, ge=1, description="Workers that split every encoder layer's matrices between them (DeepSpeed "
+                                                           "AutoTP), for a model too large for one worker: the workers are this x data-"
+                                                           "parallel replicas, and each group of this many is placed on one node.")
     activation_checkpointing: bool = Field(False, description="Recompute activations in the backward pass instead of storing them.")
     activation_offload: bool = Field(False, description="Move saved activations to CPU memory (GPU only).")
     precision: Literal["auto", "fp32", "fp16", "bf16"] = Field("auto", description="auto: bf16 on GPU, fp32 on CPU.")

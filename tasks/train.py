@@ -22,6 +22,7 @@ from transformers import AutoConfig
 
 from tasks import cluster, jobs, storage
 from tasks.config import ModelConfig, TrainConfig
+from tasks.first_token import FIRST_TOKEN_CLASSIFIERS
 from tasks.live import Tracked
 from tasks.progress import relayed
 from tasks.retries import RETRY_TRANSIENT
@@ -43,6 +44,11 @@ ZERO3_WORKER_ENV = {"MALLOC_MMAP_THRESHOLD_": str(64 * 2**10)}
 # of the in-memory loader, 1.01x with blocks of at most 16 MiB (bench/training_data.py).
 BLOCK_BYTES = 16 * 2**20
 
+# Models AutoTP splits as ftflow has seen it train and export (tests/test_train.py): BERT's layer
+# and its copies, with query, key, value and the intermediate split by columns, the attention output
+# and the output by rows. The pooler and the classifier stay whole on every worker.
+SPLITTABLE = FIRST_TOKEN_CLASSIFIERS
+
 # How often Ray Train's controller polls its workers (see fit).
 HEALTH_CHECK_INTERVAL_S = 0.5
 
@@ -54,19 +60,40 @@ def cpu_has_native_bf16() -> bool:
 
 def worker_cpus(cfg: TrainConfig, resources: cluster.Resources, use_gpu: bool) -> float:
     """cpus_per_worker, else 1 beside a GPU or on a cluster of several nodes (or one that grows); on
-    one machine's CPUs all of ftflow's share, or with num_workers set, that share divided among them.
-    On one 2-core machine 1 worker x 2 threads trained 1.16x faster than 2 workers x 1 thread
-    (bench/RESULTS.md): no gradient all-reduce, no step waiting for the slower worker."""
+    one machine's CPUs all of ftflow's share, or with num_workers set (or a tensor-parallel group to
+    make), that share divided among them. On one 2-core machine 1 worker x 2 threads trained 1.16x
+    faster than 2 workers x 1 thread (bench/RESULTS.md): no gradient all-reduce, no step waiting for
+    the slower worker."""
     if cfg.cpus_per_worker or use_gpu or resources.can_grow or resources.node_cpus < resources.cpus:
         return cfg.cpus_per_worker or 1
-    return resources.task_cpus() if cfg.num_workers is None else max(1, int(resources.cpus // cfg.num_workers))
+    return max(1, int(min(resources.cpus, resources.node_cpus) // (cfg.num_workers or cfg.tensor_parallel_size)))
+
+
+def check_parallelism(cfg: TrainConfig, model: ModelConfig) -> None:
+    """Refuse a split that the model cannot take, saying what to change, before any cluster work."""
+    tp = cfg.tensor_parallel_size
+    if tp == 1:
+        return
+    config = AutoConfig.from_pretrained(model.name_or_path)
+    if config.model_type not in SPLITTABLE:
+        raise ValueError(f"train.tensor_parallel_size={tp}: {model.name_or_path} is a '{config.model_type}' model, and ftflow "
+                         f"splits BERT-family encoders only ({', '.join(sorted(SPLITTABLE))}): set it to 1")
+    for field in ("num_attention_heads", "intermediate_size"):
+        if getattr(config, field) % tp:
+            raise ValueError(f"train.tensor_parallel_size={tp} does not divide the model's {field}={getattr(config, field)}: "
+                             f"use a divisor of {getattr(config, field)}")
 
 
 def plan(cfg: TrainConfig, resources: cluster.Resources) -> Plan:
     """Resolve device, workers, micro-batch, accumulation and precision, or say what to change."""
     use_gpu = resources.use_gpu(cfg.device)
     cpus_per_worker = worker_cpus(cfg, resources, use_gpu)
-    workers = resources.training_workers(cfg.num_workers, cpus_per_worker, use_gpu)
+    workers, tp = resources.training_workers(cfg.num_workers, cpus_per_worker, use_gpu), cfg.tensor_parallel_size
+    if cfg.num_workers is None:
+        workers = max(tp, workers - workers % tp)  # whole tensor-parallel groups
+    elif workers % tp:
+        raise ValueError(f"num_workers={workers} is not a multiple of tensor_parallel_size={tp}: the workers are tensor-parallel "
+                         f"groups of {tp}; use num_workers={max(tp, workers - workers % tp)} or {workers - workers % tp + tp}")
     micro = cfg.micro_batch_size or cfg.batch_size // workers
     if micro < 1 or cfg.batch_size % (workers * micro):
         raise ValueError(
@@ -136,6 +163,12 @@ def deepspeed_config(cfg: TrainConfig, plan: Plan, total_steps: int, hidden_size
         },
         "steps_per_print": 10**9,
     }
+    if cfg.tensor_parallel_size > 1:
+        derived["tensor_parallel"] = {"autotp_size": cfg.tensor_parallel_size}
+        # DeepSpeed 0.19.8 checks train_batch_size against micro-batch x accumulation x ranks where
+        # the engine is built and against data-parallel ranks alone where ZeRO-3 partitions AutoTP's
+        # new layers (zero.Init): no value passes both. Left out, each derives it from the other two.
+        del derived["train_batch_size"]
     return merge(derived, cfg.deepspeed)
 
 
@@ -191,7 +224,8 @@ def train(tokenized: dict[str, str], model: ModelConfig, label_names: list[str],
 def fit(tokenized: dict[str, str], model: ModelConfig, label_names: list[str], cfg: TrainConfig, run_dir: str) -> Result:
     """The stage's Ray work (tasks/jobs.py runs it where the cluster is): plan, then Ray Train."""
     logger = jobs.log
-    the_plan = plan(cfg, cluster.Resources.of_cluster())  # refuse what cannot run before any worker starts
+    check_parallelism(cfg, model)  # refuse what cannot run before any worker starts
+    the_plan = plan(cfg, cluster.Resources.of_cluster())
     train_rows, train_count = split(tokenized["train"], the_plan.workers)
     validation_rows, _ = split(tokenized["validation"], the_plan.workers)
     batches_per_epoch = math.ceil((train_count + -train_count % the_plan.workers) / the_plan.workers / the_plan.micro_batch)
@@ -212,7 +246,8 @@ def fit(tokenized: dict[str, str], model: ModelConfig, label_names: list[str], c
             datasets={"train": train_rows.random_shuffle(seed=cfg.seed), "validation": validation_rows},
             dataset_config=data_config(),
             scaling_config=ScalingConfig(
-                num_workers=the_plan.workers, use_gpu=the_plan.use_gpu, resources_per_worker={"CPU": the_plan.cpus_per_worker}
+                num_workers=the_plan.workers, use_gpu=the_plan.use_gpu, resources_per_worker={"CPU": the_plan.cpus_per_worker},
+                label_selector=cluster.groups_on_nodes(the_plan.workers, cfg.tensor_parallel_size, the_plan.cpus_per_worker, the_plan.use_gpu),
             ),
             torch_config=TorchConfig(backend="nccl" if the_plan.use_gpu else "gloo"),
             run_config=RunConfig(
@@ -238,6 +273,10 @@ def fit(tokenized: dict[str, str], model: ModelConfig, label_names: list[str], c
                                f"{gpu} each within wait_for_workers_s={cfg.wait_for_workers_s:g}: no node can hold one, or none was "
                                "added in time; see `ray status`") from None
     result = Result.model_validate(storage.read_json(storage.join(model_uri, STATE_FILE)))
+    tp = cfg.tensor_parallel_size
+    if spread := [rank for rank in range(0, len(result.nodes), tp) if len(set(result.nodes[rank:rank + tp])) > 1]:
+        logger.warning("the tensor-parallel group(s) of ranks %s spanned nodes: their all-reduces crossed the network (a "
+                       "cluster that grows places groups as Ray packs them: give its nodes room for whole groups)", spread)
     for row in result.history:
         logger.info(
             "epoch %g step %d: train_loss %.4f val_loss %.4f val_accuracy %.4f (%.1f samples/s, peak %.0f MiB per worker)%s",

@@ -123,6 +123,7 @@ class Result(BaseModel):
     curve: Curve
     validation_predictions: list[int]  # by validation row, as the engine predicted them
     nodes: list[str]  # the Ray node of each worker, by rank, in the last attempt
+    layer_parameter_mb: float | None = None  # the encoder layers' parameters rank 0 holds: what tensor parallelism and ZeRO-3 split
     first_step_at: float | None = None  # Unix time the last attempt's first micro-batch was done (None: it trained none)
     cluster: dict = {}  # the cluster that trained (tasks/cluster.py describe), added by the driver
 
@@ -162,6 +163,30 @@ def batches(split: str, micro_batch: int, cfg: TrainConfig, pad_id: int, epoch: 
         yield from grouped if order is None else (grouped[i] for i in order.permutation(len(grouped)))
 
 
+class Replica:
+    """The workers that hold one copy of the model between them: a tensor-parallel group splits every
+    layer's matrices, so its ranks must compute on the same rows. Each still reads its own share of
+    the data (Ray's split is unchanged), and the group joins its micro-batches into one: the global
+    batch stays micro-batch x accumulation x workers. Its first rank speaks for it in the metrics."""
+
+    def __init__(self, engine):
+        from deepspeed.utils import groups
+
+        alone = engine.autotp_size() <= 1
+        self.group = None if alone else groups.get_tensor_model_parallel_group()
+        self.leads = alone or groups.get_tensor_model_parallel_rank() == 0
+
+    def join(self, batch: dict[str, torch.Tensor], pad_id: int) -> dict[str, torch.Tensor]:
+        if self.group is None:
+            return batch
+        parts: list[dict] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(parts, batch, group=self.group)
+        width = max(part["input_ids"].shape[1] for part in parts)
+        padding = {"input_ids": pad_id, "attention_mask": 0}
+        return {key: torch.cat([torch.nn.functional.pad(part[key], (0, width - part[key].shape[1]), value=padding[key])
+                                if key in padding else part[key] for part in parts]) for key in batch}
+
+
 def forward(engine, batch: dict, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(mean loss over the batch's real rows, logits, labels); padding rows count for nothing."""
     labels = batch["labels"].to(device)
@@ -193,22 +218,34 @@ class Meter:
 
 
 @torch.no_grad()
-def validate(engine, spec: WorkerSpec, pad_id: int, device: torch.device) -> tuple[float, float, list[int]]:
+def validate(engine, replica: Replica, spec: WorkerSpec, pad_id: int, device: torch.device) -> tuple[float, float, list[int]]:
     """Exact loss, accuracy and row-ordered predictions over the whole validation split, gathered
-    from all workers; the padding rows are dropped by their row number (-1)."""
+    from all workers (a replica's first rank speaks for it); the padding rows are dropped by their
+    row number (-1)."""
     engine.eval()
     local: list[tuple[int, float, int, int]] = []
     for batch in batches("validation", spec.plan.micro_batch, spec.train, pad_id):
+        batch = replica.join(batch, pad_id)
         real, labels = batch["row"] >= 0, batch["labels"]
         logits = engine(input_ids=batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device)).logits
         logits = logits.float().cpu()
         losses = torch.nn.functional.cross_entropy(logits, labels, ignore_index=IGNORED, reduction="none")
-        local += zip(batch["row"][real].tolist(), losses[real].tolist(), logits.argmax(-1)[real].tolist(), labels[real].tolist())
+        if replica.leads:
+            local += zip(batch["row"][real].tolist(), losses[real].tolist(), logits.argmax(-1)[real].tolist(), labels[real].tolist())
     engine.train()  # training may go on mid-epoch
     gathered: list[list] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, local)
     rows = sorted(row for part in gathered for row in part)
     return (sum(r[1] for r in rows) / len(rows), sum(r[2] == r[3] for r in rows) / len(rows), [r[2] for r in rows])
+
+
+def layer_parameter_mb(model: torch.nn.Module) -> float | None:
+    """MiB of the encoder layers' parameters this worker holds (its ZeRO-3 partition, its tensor-parallel
+    shards), for BERT-family models; None for others."""
+    layers = getattr(getattr(model.base_model, "encoder", None), "layer", None)
+    if layers is None:
+        return None
+    return sum(getattr(p, "ds_tensor", p).numel() * p.element_size() for p in layers.parameters()) / 2**20
 
 
 def peak_memory_mb(device: torch.device) -> float:
@@ -246,8 +283,10 @@ def resume(engine) -> Progress:
 
 def export(engine, tokenizer, spec: WorkerSpec, result: Result) -> None:
     """Rank 0 writes the consolidated HF model folder straight into the run's storage (the driver
-    never downloads checkpoint shards); under ZeRO-3 every rank must join the gather."""
-    weights = engine._zero3_consolidated_16bit_state_dict() if spec.train.zero_stage == 3 else engine.module.state_dict()
+    never downloads checkpoint shards); where the parameters are split (ZeRO-3, tensor parallelism)
+    every rank must join the gather."""
+    split = spec.train.zero_stage == 3 or spec.train.tensor_parallel_size > 1
+    weights = engine._consolidated_16bit_state_dict() if split else engine.module.state_dict()
     if dist.get_rank() == 0:
         with tempfile.TemporaryDirectory() as folder:
             engine.module.save_pretrained(folder, state_dict=weights)
@@ -260,7 +299,11 @@ def export(engine, tokenizer, spec: WorkerSpec, result: Result) -> None:
 def build_model(spec: WorkerSpec):
     # While this object lives, from_pretrained builds a ZeRO-3 model already partitioned (zero.Init):
     # no worker ever holds the whole model, which is what lets ZeRO-3 fit models that do not fit.
-    zero_init = HfDeepSpeedConfig(spec.deepspeed) if spec.train.zero_stage == 3 else None  # noqa: F841 (kept alive)
+    # transformers 5.23 refuses to load under zero.Init when the config asks for tensor parallelism
+    # ("Weight conversions ... not yet implemented"): then each worker loads it whole, and the
+    # engine splits it, then partitions its shards.
+    partitioned = spec.train.zero_stage == 3 and spec.train.tensor_parallel_size == 1
+    zero_init = HfDeepSpeedConfig(spec.deepspeed) if partitioned else None  # noqa: F841 (kept alive)
     names = spec.label_names
     model = AutoModelForSequenceClassification.from_pretrained(
         spec.model, num_labels=len(names), id2label=dict(enumerate(names)), label2id={name: i for i, name in enumerate(names)})
@@ -322,7 +365,7 @@ def train_worker(config: dict) -> None:
     spec, ticks = WorkerSpec.model_validate(config["spec"]), config.get("ticks")  # ticks: a tasks/progress.py channel
     cfg = spec.train
     engine, device, tokenizer = setup(spec)
-    progress, pad_id, meter = resume(engine), tokenizer.pad_token_id or 0, Meter(device)
+    progress, pad_id, meter, replica = resume(engine), tokenizer.pad_token_id or 0, Meter(device), Replica(engine)
     first_epoch, resumed_from, predictions, first_step_at = progress.epoch, engine.global_steps, None, None
     nodes: list[str] = [None] * dist.get_world_size()
     dist.all_gather_object(nodes, ray.get_runtime_context().get_node_id())
@@ -334,7 +377,7 @@ def train_worker(config: dict) -> None:
 
     def evaluate(position: float) -> None:
         nonlocal predictions
-        loss, accuracy, predictions = validate(engine, spec, pad_id, device)
+        loss, accuracy, predictions = validate(engine, replica, spec, pad_id, device)
         progress.curve.validation.append(Point(step=engine.global_steps, epoch=round(position, 4), loss=loss, accuracy=accuracy))
 
     for epoch in range(progress.epoch, cfg.epochs):
@@ -345,19 +388,22 @@ def train_worker(config: dict) -> None:
         loss_sum = torch.zeros((), device=device)  # on the device: no sync per batch
         first_done = time.perf_counter()
         for batch in islice(batches("train", spec.plan.micro_batch, cfg, pad_id, epoch), done, None):
+            rows = int((batch["labels"] != IGNORED).sum())  # this worker's, before its replica joins them
+            batch = replica.join(batch, pad_id)
             # save_on_cpu keeps the tensors autograd saves for backward in host memory until needed.
             with torch.autograd.graph.save_on_cpu(pin_memory=True) if cfg.activation_offload else nullcontext(), alone():
                 loss, logits, labels = forward(engine, batch, device)
                 engine.backward(loss)
             steps_before = engine.global_steps
             engine.step()  # an optimizer step only at the end of an accumulation cycle
-            meter.add(loss, logits, labels)
+            if replica.leads:
+                meter.add(loss, logits, labels)
             loss_sum += loss.detach().float()
             done, trained = done + 1, trained + 1
             if trained == 1:
                 first_done, first_step_at = time.perf_counter(), first_step_at or time.time()
             else:
-                samples += int((batch["labels"] != IGNORED).sum())
+                samples += rows
             if engine.global_steps == steps_before:
                 continue
             step, position, pause_from = engine.global_steps, epoch + done / spec.batches_per_epoch, time.perf_counter()
@@ -390,6 +436,6 @@ def train_worker(config: dict) -> None:
         progress = progress.model_copy(update={"epoch": epoch + 1 if whole else epoch, "batches_done": 0 if whole else done})
         save(engine, progress, progress.history[-1].model_dump())
     if predictions is None:  # a re-run of a finished run trains nothing; its export still needs them
-        predictions = validate(engine, spec, pad_id, device)[2]
+        predictions = validate(engine, replica, spec, pad_id, device)[2]
     export(engine, tokenizer, spec, Result(history=progress.history, curve=progress.curve, validation_predictions=predictions, nodes=nodes,
-                                                  first_step_at=first_step_at))
+                                                  layer_parameter_mb=layer_parameter_mb(engine.module), first_step_at=first_step_at))

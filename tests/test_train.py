@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -79,6 +81,9 @@ STRATEGIES = {
     "zero3-bf16": {"zero_stage": 3, "precision": "bf16"},
     # the large-model path, proven small: everything that saves memory at once
     "zero3-offload-ckpt": {"zero_stage": 3, "offload_params": True, "offload_optimizer": True, "activation_checkpointing": True},
+    # tensor parallelism: the encoder layers split across 2 workers; then 2 such groups as data-parallel replicas under ZeRO-3
+    "tp2": {"tensor_parallel_size": 2},
+    "tp2-dp2-zero3": {"tensor_parallel_size": 2, "num_workers": 4, "cpus_per_worker": 0.5, "zero_stage": 3},
 }
 
 
@@ -86,8 +91,9 @@ STRATEGIES = {
 def test_exported_model_predicts_like_the_engine_at_end_of_training(strategy, tokenized, tiny_model):
     root, uris = tokenized
     run_dir = Path(root) / "runs" / strategy
-    cfg = TrainConfig(epochs=1, batch_size=16, learning_rate=2e-3, num_workers=2, **STRATEGIES[strategy])
-    history = fit(uris, tiny_model, cfg, run_dir).history
+    cfg = TrainConfig(**{"epochs": 1, "batch_size": 16, "learning_rate": 2e-3, "num_workers": 2, **STRATEGIES[strategy]})
+    result = fit(uris, tiny_model, cfg, run_dir)
+    history = result.history
 
     model_dir = run_dir / "model"
     assert_model_is_the_trained_engine(model_dir, uris, history, tie=0.05 if cfg.precision == "bf16" else 1e-4)
@@ -97,6 +103,12 @@ def test_exported_model_predicts_like_the_engine_at_end_of_training(strategy, to
     assert not torch.equal(initial["bert.encoder.layer.0.attention.self.query.weight"],
                            trained["bert.encoder.layer.0.attention.self.query.weight"])
     assert AutoModelForSequenceClassification.from_pretrained(model_dir).config.id2label == dict(enumerate(LABELS))
+    if cfg.tensor_parallel_size > 1:
+        # The encoder layers' parameters a worker holds: 1/tp of them, and ZeRO-3 partitions each shard
+        # again over the data-parallel replicas (the LayerNorms stay whole: ~1%).
+        layers = AutoModelForSequenceClassification.from_pretrained(tiny_model).bert.encoder.layer
+        parts = cfg.tensor_parallel_size * (cfg.num_workers // cfg.tensor_parallel_size if cfg.zero_stage == 3 else 1)
+        assert result.layer_parameter_mb * 2**20 == pytest.approx(sum(p.numel() * 4 for p in layers.parameters()) / parts, rel=0.02)
 
 
 def kill_a_worker_once_a_checkpoint_is_committed(run_dir: Path, killed: list[int], stop: threading.Event, run: str = ".") -> None:
@@ -196,3 +208,31 @@ def test_zero3_holds_less_memory_per_worker_than_zero0(wide_model, small_data, t
         peak[stage] = fit(uris, wide_model, cfg, tmp_path / f"zero{stage}").history[-1].peak_memory_mb
     print(f"peak RSS per worker: ZeRO-0 {peak[0]:.0f} MiB, ZeRO-3 {peak[3]:.0f} MiB")
     assert peak[3] < 0.9 * peak[0], peak
+
+
+# A driver on a cluster of three raylets on this machine: a head of 1 CPU, nodes of 3 and 2 CPUs.
+ON_THREE_NODES = """
+import json, sys
+import ray
+from ray.cluster_utils import Cluster
+from tasks.config import ModelConfig, TrainConfig
+from tasks.train import fit
+tokenized, model, run_dir = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3]
+cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+sizes = {cluster.add_node(num_cpus=cpus).node_id: cpus for cpus in (3, 2)}
+ray.init(address=cluster.address)
+cfg = TrainConfig(tensor_parallel_size=2, num_workers=4, cpus_per_worker=1, batch_size=16, max_steps=3)
+result = fit(tokenized, ModelConfig(name_or_path=model, max_length=64), ["negative", "positive"], cfg, run_dir)
+print(json.dumps([sizes.get(node, 1) for node in result.nodes]))
+"""
+
+
+def test_tensor_parallel_groups_are_placed_within_a_node(tokenized, tiny_model, tmp_path):
+    """4 workers of 1 CPU as 2 tensor-parallel groups: Ray's packing alone put 3 on the 3-CPU node and
+    one elsewhere, so one group spanned two nodes; placed, each group is on a node of its own."""
+    _, uris = tokenized
+    run = subprocess.run([sys.executable, "-c", ON_THREE_NODES, json.dumps(uris), str(tiny_model), str(tmp_path / "run")],
+                         cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    node_cpus = json.loads(run.stdout.splitlines()[-1])  # the CPUs of each rank's node
+    assert node_cpus in ([3, 3, 2, 2], [2, 2, 3, 3]), node_cpus

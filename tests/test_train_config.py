@@ -6,8 +6,10 @@ import pytest
 from pydantic import ValidationError
 
 from tasks.cluster import Resources
-from tasks.config import TrainConfig
-from tasks.train import deepspeed_config, plan
+from transformers import BertConfig, DistilBertConfig
+
+from tasks.config import ModelConfig, TrainConfig
+from tasks.train import check_parallelism, deepspeed_config, plan
 
 LAPTOP, GPU_NODE = Resources(cpus=2, gpus=0), Resources(cpus=16, gpus=2)
 # KubeRay's shipped cluster at rest: a head that takes no work, a GPU group scaled to zero.
@@ -48,6 +50,8 @@ def test_gpu_cluster_gets_one_worker_per_gpu_and_mixed_precision():
         (TrainConfig(precision="fp16"), LAPTOP, "precision=fp16 needs a GPU and this run trains on CPUs"),
         (TrainConfig(activation_offload=True), LAPTOP, "activation_offload moves GPU activations"),
         (TrainConfig(num_workers=3), GPU_NODE, r"num_workers=3 but the Ray cluster fits 2 \(2 GPUs\)"),
+        (TrainConfig(num_workers=3, tensor_parallel_size=2, cpus_per_worker=0.5), LAPTOP,
+         "num_workers=3 is not a multiple of tensor_parallel_size=2: the workers are tensor-parallel groups of 2; use num_workers=2 or 4"),
     ],
 )
 def test_what_cannot_run_here_is_refused_with_what_to_change(cfg, resources, message):
@@ -96,3 +100,29 @@ def test_offload_uses_deepspeeds_cpu_adam_and_raw_overrides_win():
     assert ds["gradient_clipping"] == 0.5
     plain = deepspeed_config(TrainConfig(), plan(TrainConfig(), LAPTOP), total_steps=10)
     assert "offload_optimizer" not in plain["zero_optimization"] and plain["optimizer"]["params"]["torch_adam"] is True
+
+
+def test_tensor_parallel_groups_take_the_workers_in_whole_groups():
+    cfg = TrainConfig(tensor_parallel_size=2)
+    p = plan(cfg, LAPTOP)
+    assert (p.workers, p.cpus_per_worker, p.micro_batch) == (2, 1, 16), "one group of 2 on a laptop, sharing its CPUs"
+    assert plan(cfg.model_copy(update={"batch_size": 48}), Resources(cpus=7, gpus=0, node_cpus=4)).workers == 6, "of 7 that fit, 3 whole groups"
+    ds = deepspeed_config(cfg, p, total_steps=10)
+    assert ds["tensor_parallel"] == {"autotp_size": 2} and "train_batch_size" not in ds
+    assert ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] * p.workers == cfg.batch_size
+
+
+@pytest.mark.parametrize(
+    ("model_config", "size", "message"),
+    [
+        (BertConfig(num_attention_heads=6, hidden_size=384), 4,
+         "train.tensor_parallel_size=4 does not divide the model's num_attention_heads=6: use a divisor of 6"),
+        (BertConfig(num_attention_heads=4, hidden_size=64, intermediate_size=66), 4,
+         "train.tensor_parallel_size=4 does not divide the model's intermediate_size=66"),
+        (DistilBertConfig(), 2, "is a 'distilbert' model, and ftflow splits BERT-family encoders only .*: set it to 1"),
+    ],
+)
+def test_a_model_the_split_does_not_fit_is_refused_before_the_cluster(model_config, size, message, tmp_path):
+    model_config.save_pretrained(tmp_path)  # the config is all the check reads
+    with pytest.raises(ValueError, match=message):
+        check_parallelism(TrainConfig(tensor_parallel_size=size), ModelConfig(name_or_path=str(tmp_path)))
