@@ -67,7 +67,7 @@ def finetune(params: FinetuneParams = FinetuneParams()) -> dict:
     config = params.model_dump(mode="json")
     outputs = {"tokenized": tokenized, "checkpoints": store.train_dir, "model": store.model_dir, "metrics": store.metrics,
                "predictions": predictions, "report": store.report, "manifest": store.manifest}
-    results = {"test": metrics, "training": training.model_dump(include={"history", "curve", "nodes"}), "promotion": promotion}
+    results = {"test": metrics, "training": training.model_dump(include={"history", "curve", "nodes", "strategy"}), "promotion": promotion}
     publish_report(store, config, splits, outputs, results, took.seconds)
     write_manifest(
         store.manifest,

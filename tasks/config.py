@@ -102,6 +102,10 @@ class ModelConfig(Strict):
     max_length: int = Field(128, ge=8, le=4096, description="Tokens kept per text.")
 
 
+# The fields strategy=auto sets (tasks/strategy.py).
+AUTO_CHOOSES = ("zero_stage", "offload_optimizer", "offload_params", "tensor_parallel_size")
+
+
 class TrainConfig(Strict):
     """Training, with every DeepSpeed memory and speed feature; tasks/train.py derives the DeepSpeed JSON."""
 
@@ -111,6 +115,11 @@ class TrainConfig(Strict):
     cpus_per_worker: float | None = Field(None, gt=0, description="CPUs per worker (torch threads: its whole part, at least 1); default: "
                                                                    "on one machine's CPUs all it gives ftflow (shared among num_workers when "
                                                                    "set), else 1.")
+    strategy: Literal["manual", "auto"] = Field(
+        "manual", description="auto: ftflow sets zero_stage, offload and tensor_parallel_size to the fastest strategy whose "
+                              "estimated memory fits a worker (memory_per_worker_gb), and logs and records why; manual: as set here.")
+    memory_per_worker_gb: float | None = Field(None, gt=0, description="For strategy=auto: the memory one worker may use; default: "
+                                                                      "its GPU's, or on CPUs its share of its node's memory.")
     zero_stage: Literal[0, 1, 2, 3] = Field(
         0,
         description="DeepSpeed ZeRO: 0 replicates the model (fastest while it fits: 16 bytes per fp32 parameter); "
@@ -154,6 +163,13 @@ class TrainConfig(Strict):
 
     @model_validator(mode="after")
     def _combinations(self) -> TrainConfig:
+        # Against the defaults, not the fields given: a form (the UI's, a deployment's) sends every field.
+        chosen = [f"{name}={getattr(self, name)}" for name in AUTO_CHOOSES if getattr(self, name) != type(self).model_fields[name].default]
+        if self.strategy == "auto" and chosen:
+            raise ValueError(f"strategy=auto chooses {', '.join(AUTO_CHOOSES)}, and {', '.join(chosen)} was set too: leave it out, "
+                             "or set strategy=manual")
+        if self.memory_per_worker_gb and self.strategy != "auto":
+            raise ValueError("memory_per_worker_gb is read by strategy=auto only: set strategy=auto, or leave it out")
         if self.offload_params and self.zero_stage != 3:
             raise ValueError("offload_params needs zero_stage=3 (only stage 3 partitions parameters): set zero_stage=3 or offload_params=false")
         if self.offload_optimizer and self.zero_stage == 0:

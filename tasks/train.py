@@ -20,7 +20,7 @@ from ray.train.v2._internal.exceptions import WorkerGroupStartupTimeoutError
 from ray.train.torch import TorchConfig, TorchTrainer
 from transformers import AutoConfig
 
-from tasks import cluster, jobs, storage
+from tasks import cluster, jobs, storage, strategy
 from tasks.config import ModelConfig, TrainConfig
 from tasks.first_token import FIRST_TOKEN_CLASSIFIERS
 from tasks.live import Tracked
@@ -90,7 +90,10 @@ def plan(cfg: TrainConfig, resources: cluster.Resources) -> Plan:
     cpus_per_worker = worker_cpus(cfg, resources, use_gpu)
     workers, tp = resources.training_workers(cfg.num_workers, cpus_per_worker, use_gpu), cfg.tensor_parallel_size
     if cfg.num_workers is None:
-        workers = max(tp, workers - workers % tp)  # whole tensor-parallel groups
+        fits, workers = workers, max(tp, workers - workers % tp)  # whole tensor-parallel groups
+        if workers > fits and not resources.can_grow:
+            raise ValueError(f"tensor_parallel_size={tp} needs {tp} workers and the Ray cluster fits {fits}: use a smaller "
+                             "tensor_parallel_size, or a larger cluster")
     elif workers % tp:
         raise ValueError(f"num_workers={workers} is not a multiple of tensor_parallel_size={tp}: the workers are tensor-parallel "
                          f"groups of {tp}; use num_workers={max(tp, workers - workers % tp)} or {workers - workers % tp + tp}")
@@ -107,6 +110,31 @@ def plan(cfg: TrainConfig, resources: cluster.Resources) -> Plan:
     precision = "fp32" if cfg.precision == "auto" and not use_gpu else cfg.precision
     return Plan(workers=workers, cpus_per_worker=cpus_per_worker, micro_batch=micro,
                 accumulation=cfg.batch_size // (workers * micro), use_gpu=use_gpu, precision=precision)
+
+
+def resolved(cfg: TrainConfig, model: ModelConfig, labels: int, resources: cluster.Resources) -> tuple[TrainConfig, strategy.Choice | None]:
+    """The config as it trains: with strategy=auto, the fastest candidate (tasks/strategy.py) whose
+    estimated need per worker, as `plan` would run it here, is within the memory a worker has."""
+    if cfg.strategy == "manual":
+        return cfg, None
+    size, use_gpu = strategy.ModelSize.of(model.name_or_path, labels), resources.use_gpu(cfg.device)
+    per_cpu = strategy.memory_per_cpu(use_gpu) if cfg.memory_per_worker_gb is None else None
+    gpu = strategy.gpu_memory() if use_gpu and cfg.memory_per_worker_gb is None else None
+    options = []
+    for settings in strategy.candidates(use_gpu, tensor_parallel=[2, 4, 8]):
+        candidate = cfg.model_copy(update={**settings, "strategy": "manual", "memory_per_worker_gb": None})
+        try:
+            check_parallelism(candidate, model)
+            the_plan = plan(candidate, resources)
+        except ValueError:  # a split this model, or this cluster, cannot take
+            continue
+        if the_plan.cpus_per_worker * settings.get("tensor_parallel_size", 1) > resources.node_cpus:
+            continue  # a group no node holds
+        budget = int(cfg.memory_per_worker_gb * strategy.GIB) if cfg.memory_per_worker_gb else gpu or int(per_cpu * the_plan.cpus_per_worker)
+        need = strategy.need_bytes(size, settings, the_plan.workers, the_plan.micro_batch, model.max_length, use_gpu)
+        options.append((settings, need, budget))
+    choice = strategy.pick(options)
+    return cfg.model_copy(update={**choice.settings, "strategy": "manual", "memory_per_worker_gb": None}), choice
 
 
 def merge(base: dict, override: dict) -> dict:
@@ -225,7 +253,11 @@ def fit(tokenized: dict[str, str], model: ModelConfig, label_names: list[str], c
     """The stage's Ray work (tasks/jobs.py runs it where the cluster is): plan, then Ray Train."""
     logger = jobs.log
     check_parallelism(cfg, model)  # refuse what cannot run before any worker starts
-    the_plan = plan(cfg, cluster.Resources.of_cluster())
+    resources = cluster.Resources.of_cluster()
+    cfg, choice = resolved(cfg, model, len(label_names), resources)
+    if choice:
+        logger.info("strategy=auto chose %s: %s", strategy.describe(choice.settings), choice.reason)
+    the_plan = plan(cfg, resources)
     train_rows, train_count = split(tokenized["train"], the_plan.workers)
     validation_rows, _ = split(tokenized["validation"], the_plan.workers)
     batches_per_epoch = math.ceil((train_count + -train_count % the_plan.workers) / the_plan.workers / the_plan.micro_batch)
@@ -283,4 +315,4 @@ def fit(tokenized: dict[str, str], model: ModelConfig, label_names: list[str], c
             row.epoch, row.step, row.train_loss, row.val_loss, row.val_accuracy, row.samples_per_s, row.peak_memory_mb,
             f", resumed from step {row.resumed_from_step}" if row.resumed_from_step else "",
         )
-    return result.model_copy(update={"cluster": cluster.describe()})
+    return result.model_copy(update={"cluster": cluster.describe(), "strategy": choice})

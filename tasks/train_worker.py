@@ -43,6 +43,7 @@ from tasks.config import TrainConfig
 from tasks.first_token import last_layer_at_first_token
 from tasks.predictor import padded
 from tasks.progress import Tick, post
+from tasks.strategy import Choice
 
 STATE_FILE = "training_state.json"  # beside the exported model: the history, the curve, the validation predictions
 IGNORED = -100  # the label of the rows the driver pads a split with: no loss, no metric, no prediction
@@ -126,6 +127,7 @@ class Result(BaseModel):
     layer_parameter_mb: float | None = None  # the encoder layers' parameters rank 0 holds: what tensor parallelism and ZeRO-3 split
     first_step_at: float | None = None  # Unix time the last attempt's first micro-batch was done (None: it trained none)
     cluster: dict = {}  # the cluster that trained (tasks/cluster.py describe), added by the driver
+    strategy: Choice | None = None  # what strategy=auto chose and why, added by the driver
 
 
 def collate(batch: dict[str, np.ndarray], pad_id: int) -> dict[str, torch.Tensor]:

@@ -236,3 +236,21 @@ def test_tensor_parallel_groups_are_placed_within_a_node(tokenized, tiny_model, 
     assert run.returncode == 0, run.stderr[-3000:]
     node_cpus = json.loads(run.stdout.splitlines()[-1])  # the CPUs of each rank's node
     assert node_cpus in ([3, 3, 2, 2], [2, 2, 3, 3]), node_cpus
+
+
+def test_strategy_auto_picks_by_the_memory_a_worker_has(tokenized, tiny_model):
+    """Plenty of memory: plain data parallelism, the fastest. Less than it needs: the fastest that fits.
+    Both train, and each says what it chose and why. Too little for any: refused before any worker."""
+    root, uris = tokenized
+    runs = {}
+    for name, memory in (("ample", 8.0), ("tight", None)):
+        gb = memory or runs["ample"].strategy.need_gb - 0.001
+        cfg = TrainConfig(strategy="auto", memory_per_worker_gb=gb, num_workers=2, batch_size=16, max_steps=3)
+        runs[name] = fit(uris, tiny_model, cfg, Path(root) / "runs" / f"auto-{name}")
+        assert runs[name].history[-1].step == 3
+    ample, tight = runs["ample"].strategy, runs["tight"].strategy
+    assert ample.settings == {"zero_stage": 0} and ample.reason.endswith("and it is the fastest")
+    assert tight.settings != ample.settings and tight.need_gb <= tight.budget_gb < ample.need_gb
+    assert "the faster need more (data parallel (ZeRO-0) ~" in tight.reason
+    with pytest.raises(ValueError, match="train.strategy=auto: no strategy fits a worker; the closest, .* needs ~0.6"):
+        fit(uris, tiny_model, TrainConfig(strategy="auto", memory_per_worker_gb=0.1, num_workers=2), Path(root) / "runs" / "auto-none")

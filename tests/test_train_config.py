@@ -126,3 +126,13 @@ def test_a_model_the_split_does_not_fit_is_refused_before_the_cluster(model_conf
     model_config.save_pretrained(tmp_path)  # the config is all the check reads
     with pytest.raises(ValueError, match=message):
         check_parallelism(TrainConfig(tensor_parallel_size=size), ModelConfig(name_or_path=str(tmp_path)))
+
+
+def test_strategy_auto_owns_what_it_chooses():
+    with pytest.raises(ValidationError, match="strategy=auto chooses zero_stage, offload_optimizer, offload_params, tensor_parallel_size, "
+                                              "and zero_stage=3 was set too: leave it out, or set strategy=manual"):
+        TrainConfig(strategy="auto", zero_stage=3)
+    with pytest.raises(ValidationError, match="memory_per_worker_gb is read by strategy=auto only"):
+        TrainConfig(memory_per_worker_gb=4)
+    form = TrainConfig(strategy="auto").model_dump()  # what the UI's form sends: every field, defaults included
+    assert TrainConfig.model_validate(form).strategy == "auto"
