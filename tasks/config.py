@@ -130,6 +130,10 @@ class TrainConfig(Strict):
     tensor_parallel_size: int = Field(1, ge=1, description="Workers that split every encoder layer's matrices between them (DeepSpeed "
                                                            "AutoTP), for a model too large for one worker: the workers are this x data-"
                                                            "parallel replicas, and each group of this many is placed on one node.")
+    pipeline_parallel_size: int = Field(1, ge=1, description="Pipeline stages the model is cut into, one per worker, with as many encoder "
+                                                             "layers each (DeepSpeed's pipeline engine; embeddings with the first, the "
+                                                             "classifier with the last), fed with micro-batches: the workers are this x "
+                                                             "data-parallel replicas. ZeRO 0-1.")
     activation_checkpointing: bool = Field(False, description="Recompute activations in the backward pass instead of storing them.")
     activation_offload: bool = Field(False, description="Move saved activations to CPU memory (GPU only).")
     precision: Literal["auto", "fp32", "fp16", "bf16"] = Field("auto", description="auto: bf16 on GPU, fp32 on CPU.")
@@ -170,6 +174,13 @@ class TrainConfig(Strict):
                              "or set strategy=manual")
         if self.memory_per_worker_gb and self.strategy != "auto":
             raise ValueError("memory_per_worker_gb is read by strategy=auto only: set strategy=auto, or leave it out")
+        if self.pipeline_parallel_size > 1:
+            if self.tensor_parallel_size > 1:
+                raise ValueError("tensor_parallel_size and pipeline_parallel_size cannot both be above 1 (DeepSpeed combines them only "
+                                 "for Megatron models): choose one")
+            if self.zero_stage > 1 or self.offload_optimizer or self.activation_offload:
+                raise ValueError("pipeline_parallel_size needs zero_stage 0 or 1 without offload (DeepSpeed's pipeline engine shards "
+                                 "neither gradients nor parameters): set zero_stage=1, or pipeline_parallel_size=1")
         if self.offload_params and self.zero_stage != 3:
             raise ValueError("offload_params needs zero_stage=3 (only stage 3 partitions parameters): set zero_stage=3 or offload_params=false")
         if self.offload_optimizer and self.zero_stage == 0:

@@ -2,8 +2,8 @@
 
 The candidates go fastest first, as bench/RESULTS.md measured them (all-MiniLM-L6-v2, 2 CPU workers,
 samples/s against bare PyTorch): ZeRO-0 1.03, ZeRO-1 0.85, ZeRO-2 0.80, ZeRO-3 0.49, ZeRO-3 with
-offload 0.47; then tensor parallelism, which splits what ZeRO-3 cannot: the activations and the layer
-being computed. Offload moves state to host memory, which a GPU worker has beside its own and a CPU
+offload 0.47; then tensor parallelism and pipeline stages, which split what ZeRO-3 cannot: the activations
+and the layer being computed. Offload moves state to host memory, which a GPU worker has beside its own and a CPU
 worker does not, so it is a candidate on GPUs only.
 
 A candidate's need per worker = model states (DeepSpeed's estimators) + activations + the process.
@@ -65,14 +65,15 @@ def model_state_bytes(size: ModelSize, settings: dict, workers: int) -> int:
     """Parameters, gradients and optimizer state one worker holds on its device: DeepSpeed's
     estimators for ZeRO-2 and 3, and the same terms for ZeRO-0 and 1 (2 bytes per 16-bit parameter
     and gradient, 16 for the fp32 master weights and Adam moments, which ZeRO-1 shards). Tensor
-    parallelism divides the encoder layers by tp, and the replicas ZeRO shards over by tp too."""
+    parallelism divides the encoder layers by tp, pipeline stages the whole model by pp (about: the
+    embeddings ride with the first), and the replicas ZeRO shards over by either."""
     # imported here: deepspeed probes the accelerator, and logs it, at import
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
-    tp = settings.get("tensor_parallel_size", 1)
-    params = size.params - size.layer_params + size.layer_params // tp
-    replicas = max(1, workers // tp)
+    tp, pp = settings.get("tensor_parallel_size", 1), settings.get("pipeline_parallel_size", 1)
+    params = (size.params - size.layer_params + size.layer_params // tp) // pp
+    replicas = max(1, workers // (tp * pp))
     stage, offload = settings.get("zero_stage", 0), settings.get("offload_optimizer", False)
     if stage == 3:
         return estimate_zero3_model_states_mem_needs(params, size.largest_layer // tp, replicas, 1, offload,
@@ -82,18 +83,21 @@ def model_state_bytes(size: ModelSize, settings: dict, workers: int) -> int:
     return 4 * params + 16 * params // (replicas if stage == 1 else 1)
 
 
-def activation_bytes(size: ModelSize, micro_batch: int, seq: int, tp: int) -> int:
+def activation_bytes(size: ModelSize, micro_batch: int, seq: int, tp: int, pp: int) -> int:
     """Activations kept for backward, at 4 bytes: per layer s*b*h*(10 + 24/t + 5*a*s/(h*t)) bytes at
     16 bits (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models"),
-    doubled for fp32, which is what CPUs train in."""
+    doubled for fp32, which is what CPUs train in. A pipeline stage holds layers/pp layers, for up to
+    pp micro-batches in flight (the first stage, in DeepSpeed's one-forward-one-backward schedule)."""
     s, b, h, a = seq, micro_batch, size.hidden, size.heads
-    return int(2 * size.layers * s * b * h * (10 + 24 / tp + 5 * a * s / (h * tp)))
+    return int(2 * (size.layers // pp) * pp * s * b * h * (10 + 24 / tp + 5 * a * s / (h * tp)))
 
 
-def candidates(use_gpu: bool, tensor_parallel: list[int]) -> list[dict]:
-    """Fastest first: the ZeRO stages, offload (on GPUs), then each tensor-parallel size given."""
+def candidates(use_gpu: bool, sizes: list[int]) -> list[dict]:
+    """Fastest first: the ZeRO stages, offload (on GPUs), then each tensor-parallel and pipeline size
+    given (pipelines with ZeRO-1, the most DeepSpeed's pipeline engine takes)."""
     last = OFFLOAD[-1] if use_gpu else ZERO[-1]
-    return [*ZERO, *(OFFLOAD if use_gpu else []), *({**last, "tensor_parallel_size": tp} for tp in tensor_parallel)]
+    return [*ZERO, *(OFFLOAD if use_gpu else []), *({**last, "tensor_parallel_size": tp} for tp in sizes),
+            *({"zero_stage": 1, "pipeline_parallel_size": pp} for pp in sizes)]
 
 
 def pick(options: list[tuple[dict, int, int]]) -> Choice:
@@ -119,6 +123,8 @@ def describe(settings: dict) -> str:
         words.append("optimizer offload")
     if settings.get("tensor_parallel_size", 1) > 1:
         words.append(f"tensor parallel x{settings['tensor_parallel_size']}")
+    if settings.get("pipeline_parallel_size", 1) > 1:
+        words.append(f"{settings['pipeline_parallel_size']} pipeline stages")
     return " + ".join(words)
 
 
@@ -147,8 +153,8 @@ def gpu_memory() -> int:
 
 def need_bytes(size: ModelSize, settings: dict, workers: int, micro_batch: int, seq: int, use_gpu: bool) -> int:
     """What one worker needs under `settings`, planned as `workers` of `micro_batch` rows of `seq` tokens."""
-    tp = settings.get("tensor_parallel_size", 1)
+    tp, pp = settings.get("tensor_parallel_size", 1), settings.get("pipeline_parallel_size", 1)
     process = 0 if use_gpu else CPU_PROCESS_BYTES
     # a replica's micro-batch is its ranks' together (tasks/train_worker.py Replica)
-    return model_state_bytes(size, settings, workers) + activation_bytes(size, micro_batch * tp, seq, tp) + process
+    return model_state_bytes(size, settings, workers) + activation_bytes(size, micro_batch * tp * pp, seq, tp, pp) + process
 

@@ -66,21 +66,27 @@ def worker_cpus(cfg: TrainConfig, resources: cluster.Resources, use_gpu: bool) -
     the slower worker."""
     if cfg.cpus_per_worker or use_gpu or resources.can_grow or resources.node_cpus < resources.cpus:
         return cfg.cpus_per_worker or 1
-    return max(1, int(min(resources.cpus, resources.node_cpus) // (cfg.num_workers or cfg.tensor_parallel_size)))
+    return max(1, int(min(resources.cpus, resources.node_cpus) // (cfg.num_workers or model_parallel(cfg))))
+
+
+def model_parallel(cfg: TrainConfig) -> int:
+    """Workers that hold one copy of the model between them: a tensor-parallel group or a pipeline."""
+    return cfg.tensor_parallel_size * cfg.pipeline_parallel_size
 
 
 def check_parallelism(cfg: TrainConfig, model: ModelConfig) -> None:
     """Refuse a split that the model cannot take, saying what to change, before any cluster work."""
-    tp = cfg.tensor_parallel_size
-    if tp == 1:
+    if model_parallel(cfg) == 1:
         return
+    name, size = ("tensor_parallel_size", cfg.tensor_parallel_size) if cfg.tensor_parallel_size > 1 else ("pipeline_parallel_size", cfg.pipeline_parallel_size)
     config = AutoConfig.from_pretrained(model.name_or_path)
     if config.model_type not in SPLITTABLE:
-        raise ValueError(f"train.tensor_parallel_size={tp}: {model.name_or_path} is a '{config.model_type}' model, and ftflow "
+        raise ValueError(f"train.{name}={size}: {model.name_or_path} is a '{config.model_type}' model, and ftflow "
                          f"splits BERT-family encoders only ({', '.join(sorted(SPLITTABLE))}): set it to 1")
-    for field in ("num_attention_heads", "intermediate_size"):
-        if getattr(config, field) % tp:
-            raise ValueError(f"train.tensor_parallel_size={tp} does not divide the model's {field}={getattr(config, field)}: "
+    fields = ("num_attention_heads", "intermediate_size") if name == "tensor_parallel_size" else ("num_hidden_layers",)
+    for field in fields:
+        if getattr(config, field) % size:
+            raise ValueError(f"train.{name}={size} does not divide the model's {field}={getattr(config, field)}: "
                              f"use a divisor of {getattr(config, field)}")
 
 
@@ -88,15 +94,15 @@ def plan(cfg: TrainConfig, resources: cluster.Resources) -> Plan:
     """Resolve device, workers, micro-batch, accumulation and precision, or say what to change."""
     use_gpu = resources.use_gpu(cfg.device)
     cpus_per_worker = worker_cpus(cfg, resources, use_gpu)
-    workers, tp = resources.training_workers(cfg.num_workers, cpus_per_worker, use_gpu), cfg.tensor_parallel_size
+    workers, group = resources.training_workers(cfg.num_workers, cpus_per_worker, use_gpu), model_parallel(cfg)
+    name = "tensor_parallel_size" if cfg.tensor_parallel_size > 1 else "pipeline_parallel_size"
     if cfg.num_workers is None:
-        fits, workers = workers, max(tp, workers - workers % tp)  # whole tensor-parallel groups
+        fits, workers = workers, max(group, workers - workers % group)  # whole groups
         if workers > fits and not resources.can_grow:
-            raise ValueError(f"tensor_parallel_size={tp} needs {tp} workers and the Ray cluster fits {fits}: use a smaller "
-                             "tensor_parallel_size, or a larger cluster")
-    elif workers % tp:
-        raise ValueError(f"num_workers={workers} is not a multiple of tensor_parallel_size={tp}: the workers are tensor-parallel "
-                         f"groups of {tp}; use num_workers={max(tp, workers - workers % tp)} or {workers - workers % tp + tp}")
+            raise ValueError(f"{name}={group} needs {group} workers and the Ray cluster fits {fits}: use a smaller {name}, or a larger cluster")
+    elif workers % group:
+        raise ValueError(f"num_workers={workers} is not a multiple of {name}={group}: the workers are groups of {group} that hold "
+                         f"one copy of the model; use num_workers={max(group, workers - workers % group)} or {workers - workers % group + group}")
     micro = cfg.micro_batch_size or cfg.batch_size // workers
     if micro < 1 or cfg.batch_size % (workers * micro):
         raise ValueError(
@@ -121,7 +127,7 @@ def resolved(cfg: TrainConfig, model: ModelConfig, labels: int, resources: clust
     per_cpu = strategy.memory_per_cpu(use_gpu) if cfg.memory_per_worker_gb is None else None
     gpu = strategy.gpu_memory() if use_gpu and cfg.memory_per_worker_gb is None else None
     options = []
-    for settings in strategy.candidates(use_gpu, tensor_parallel=[2, 4, 8]):
+    for settings in strategy.candidates(use_gpu, sizes=[2, 4, 8]):
         candidate = cfg.model_copy(update={**settings, "strategy": "manual", "memory_per_worker_gb": None})
         try:
             check_parallelism(candidate, model)
@@ -193,9 +199,12 @@ def deepspeed_config(cfg: TrainConfig, plan: Plan, total_steps: int, hidden_size
     }
     if cfg.tensor_parallel_size > 1:
         derived["tensor_parallel"] = {"autotp_size": cfg.tensor_parallel_size}
+    if model_parallel(cfg) > 1:
         # DeepSpeed 0.19.8 checks train_batch_size against micro-batch x accumulation x ranks where
-        # the engine is built and against data-parallel ranks alone where ZeRO-3 partitions AutoTP's
-        # new layers (zero.Init): no value passes both. Left out, each derives it from the other two.
+        # it builds an AutoTP engine, against data-parallel ranks alone where ZeRO-3 partitions
+        # AutoTP's new layers (zero.Init) and where it builds a pipeline engine: no value passes
+        # them all, and ftflow's replicas join their ranks' micro-batches anyway. Left out, each
+        # check derives it from the other two.
         del derived["train_batch_size"]
     return merge(derived, cfg.deepspeed)
 

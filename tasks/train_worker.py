@@ -23,6 +23,7 @@ import resource
 import tempfile
 import time
 import warnings
+from collections.abc import Iterator
 from contextlib import nullcontext
 from itertools import islice
 from pathlib import Path
@@ -38,15 +39,15 @@ from ray.train import Checkpoint
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, set_seed
 from transformers.integrations.deepspeed import HfDeepSpeedConfig
 
-from tasks import storage
+from tasks import pipeline, storage
 from tasks.config import TrainConfig
 from tasks.first_token import last_layer_at_first_token
+from tasks.pipeline import IGNORED, mean_loss
 from tasks.predictor import padded
 from tasks.progress import Tick, post
 from tasks.strategy import Choice
 
 STATE_FILE = "training_state.json"  # beside the exported model: the history, the curve, the validation predictions
-IGNORED = -100  # the label of the rows the driver pads a split with: no loss, no metric, no prediction
 
 
 class Plan(BaseModel, frozen=True):
@@ -165,18 +166,33 @@ def batches(split: str, micro_batch: int, cfg: TrainConfig, pad_id: int, epoch: 
         yield from grouped if order is None else (grouped[i] for i in order.permutation(len(grouped)))
 
 
-class Replica:
-    """The workers that hold one copy of the model between them: a tensor-parallel group splits every
-    layer's matrices, so its ranks must compute on the same rows. Each still reads its own share of
-    the data (Ray's split is unchanged), and the group joins its micro-batches into one: the global
-    batch stays micro-batch x accumulation x workers. Its first rank speaks for it in the metrics."""
+def forward(engine, batch: dict, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(mean loss over the batch's real rows, logits, labels); padding rows count for nothing."""
+    labels = batch["labels"].to(device)
+    logits = engine(input_ids=batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device)).logits
+    return mean_loss(logits, labels), logits, labels
 
-    def __init__(self, engine):
+
+class Replica:
+    """The workers that hold one copy of the model between them, and how that copy trains and
+    predicts. A tensor-parallel group splits every layer's matrices, so its ranks compute on the same
+    rows; a pipeline's first stage needs the rows and its last the labels. Either way each rank still
+    reads its own share of the data (Ray's split is unchanged) and the replica joins its ranks'
+    micro-batches into one: the global batch stays micro-batch x accumulation x workers. The rank
+    that holds the logits speaks for the replica in the metrics (the first of a tensor-parallel
+    group, a pipeline's last stage)."""
+
+    def __init__(self, engine, accumulation: int, names: dict[int, str] | None = None, config=None):
         from deepspeed.utils import groups
 
-        alone = engine.autotp_size() <= 1
-        self.group = None if alone else groups.get_tensor_model_parallel_group()
-        self.leads = alone or groups.get_tensor_model_parallel_rank() == 0
+        self.engine, self.accumulation, self.names, self.config = engine, accumulation, names, config
+        self.pending: list[dict] = []  # a pipeline's micro-batches of the step to come
+        if names is not None:  # pipeline stages (tasks/pipeline.py)
+            self.group, self.leads, self.head = engine.grid.get_pipe_parallel_group(), engine.is_last_stage(), pipeline.head(engine)
+        elif engine.autotp_size() > 1:
+            self.group, self.leads = groups.get_tensor_model_parallel_group(), groups.get_tensor_model_parallel_rank() == 0
+        else:
+            self.group, self.leads = None, True
 
     def join(self, batch: dict[str, torch.Tensor], pad_id: int) -> dict[str, torch.Tensor]:
         if self.group is None:
@@ -188,13 +204,53 @@ class Replica:
         return {key: torch.cat([torch.nn.functional.pad(part[key], (0, width - part[key].shape[1]), value=padding[key])
                                 if key in padding else part[key] for part in parts]) for key in batch}
 
+    def train(self, batch: dict, device: torch.device, offload: bool, alone) -> Iterator[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]]:
+        """Train on a micro-batch; yield (loss, logits or None on ranks without them, labels) of each
+        micro-batch computed. A pipeline trains a whole step at once, once its micro-batches are in."""
+        if self.names is None:
+            # save_on_cpu keeps the tensors autograd saves for backward in host memory until needed.
+            with torch.autograd.graph.save_on_cpu(pin_memory=True) if offload else nullcontext(), alone():
+                loss, logits, labels = forward(self.engine, batch, device)
+                self.engine.backward(loss)
+            self.engine.step()  # an optimizer step only at the end of an accumulation cycle
+            yield loss, logits, labels
+            return
+        self.pending.append(batch)
+        if len(self.pending) < self.accumulation:
+            return
+        step, self.pending = self.pending, []
+        loss = self.engine.train_batch(iter([self.pipe_inputs(part, device) for part in step]))
+        logits = self.head.logits if self.head else [None] * len(step)
+        for part, part_logits in zip(step, logits, strict=True):
+            yield loss, part_logits, part["labels"].to(device)
+        if self.head:
+            self.head.logits.clear()
 
-def forward(engine, batch: dict, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(mean loss over the batch's real rows, logits, labels); padding rows count for nothing."""
-    labels = batch["labels"].to(device)
-    logits = engine(input_ids=batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device)).logits
-    losses = torch.nn.functional.cross_entropy(logits.float(), labels, ignore_index=IGNORED, reduction="sum")
-    return losses / (labels != IGNORED).sum().clamp(min=1), logits, labels
+    def logits(self, batch: dict, device: torch.device) -> torch.Tensor | None:
+        """Eval-mode logits of a micro-batch, on the ranks that hold them."""
+        if self.names is None:
+            return self.engine(input_ids=batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device)).logits
+        _, logits = self.engine.eval_batch(iter([self.pipe_inputs(batch, device)]), return_logits=True, num_micro_batches=1)
+        if self.head:
+            self.head.logits.clear()
+        return logits if self.leads else None
+
+    @staticmethod
+    def pipe_inputs(batch: dict, device: torch.device) -> tuple:
+        return (batch["input_ids"].to(device), batch["attention_mask"].to(device)), batch["labels"].to(device)
+
+    def layers(self) -> list[torch.nn.Module]:
+        """The encoder layers this worker holds (BERT-family models; none found for others)."""
+        if self.names is not None:
+            return [layer.layer for layer in self.engine.module.forward_funcs if isinstance(layer, pipeline.EncoderLayer)]
+        return list(getattr(getattr(self.engine.module.base_model, "encoder", None), "layer", None) or [])
+
+    def exported(self, split: bool) -> tuple[torch.nn.Module | None, dict | None]:
+        """(model, state dict) for rank 0 to save, the whole model gathered from where it is split
+        (ZeRO-3, tensor parallelism, pipeline stages): every rank must call it."""
+        if self.names is not None:
+            return pipeline.consolidated(self.engine, self.names, self.config), None
+        return self.engine.module, self.engine._consolidated_16bit_state_dict() if split else None
 
 
 class Meter:
@@ -222,18 +278,18 @@ class Meter:
 @torch.no_grad()
 def validate(engine, replica: Replica, spec: WorkerSpec, pad_id: int, device: torch.device) -> tuple[float, float, list[int]]:
     """Exact loss, accuracy and row-ordered predictions over the whole validation split, gathered
-    from all workers (a replica's first rank speaks for it); the padding rows are dropped by their
-    row number (-1)."""
+    from all workers (each replica's from the rank that holds its logits); the padding rows are
+    dropped by their row number (-1)."""
     engine.eval()
     local: list[tuple[int, float, int, int]] = []
     for batch in batches("validation", spec.plan.micro_batch, spec.train, pad_id):
         batch = replica.join(batch, pad_id)
-        real, labels = batch["row"] >= 0, batch["labels"]
-        logits = engine(input_ids=batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device)).logits
-        logits = logits.float().cpu()
+        logits = replica.logits(batch, device)
+        if not replica.leads:
+            continue
+        real, labels, logits = batch["row"] >= 0, batch["labels"], logits.float().cpu()
         losses = torch.nn.functional.cross_entropy(logits, labels, ignore_index=IGNORED, reduction="none")
-        if replica.leads:
-            local += zip(batch["row"][real].tolist(), losses[real].tolist(), logits.argmax(-1)[real].tolist(), labels[real].tolist())
+        local += zip(batch["row"][real].tolist(), losses[real].tolist(), logits.argmax(-1)[real].tolist(), labels[real].tolist())
     engine.train()  # training may go on mid-epoch
     gathered: list[list] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, local)
@@ -241,13 +297,12 @@ def validate(engine, replica: Replica, spec: WorkerSpec, pad_id: int, device: to
     return (sum(r[1] for r in rows) / len(rows), sum(r[2] == r[3] for r in rows) / len(rows), [r[2] for r in rows])
 
 
-def layer_parameter_mb(model: torch.nn.Module) -> float | None:
+def layer_parameter_mb(layers: list[torch.nn.Module]) -> float | None:
     """MiB of the encoder layers' parameters this worker holds (its ZeRO-3 partition, its tensor-parallel
-    shards), for BERT-family models; None for others."""
-    layers = getattr(getattr(model.base_model, "encoder", None), "layer", None)
-    if layers is None:
+    shards, its pipeline stage's layers); None where it found none."""
+    if not layers:
         return None
-    return sum(getattr(p, "ds_tensor", p).numel() * p.element_size() for p in layers.parameters()) / 2**20
+    return sum(getattr(p, "ds_tensor", p).numel() * p.element_size() for layer in layers for p in layer.parameters()) / 2**20
 
 
 def peak_memory_mb(device: torch.device) -> float:
@@ -283,15 +338,13 @@ def resume(engine) -> Progress:
     return progress
 
 
-def export(engine, tokenizer, spec: WorkerSpec, result: Result) -> None:
+def export(replica: Replica, tokenizer, spec: WorkerSpec, result: Result) -> None:
     """Rank 0 writes the consolidated HF model folder straight into the run's storage (the driver
-    never downloads checkpoint shards); where the parameters are split (ZeRO-3, tensor parallelism)
-    every rank must join the gather."""
-    split = spec.train.zero_stage == 3 or spec.train.tensor_parallel_size > 1
-    weights = engine._consolidated_16bit_state_dict() if split else engine.module.state_dict()
+    never downloads checkpoint shards); where the parameters are split every rank joins the gather."""
+    model, weights = replica.exported(split=spec.train.zero_stage == 3 or spec.train.tensor_parallel_size > 1)
     if dist.get_rank() == 0:
         with tempfile.TemporaryDirectory() as folder:
-            engine.module.save_pretrained(folder, state_dict=weights)
+            model.save_pretrained(folder, state_dict=weights)
             tokenizer.save_pretrained(folder)
             Path(folder, STATE_FILE).write_text(result.model_dump_json())
             storage.upload_dir(folder, spec.model_uri)
@@ -310,7 +363,7 @@ def build_model(spec: WorkerSpec):
     model = AutoModelForSequenceClassification.from_pretrained(
         spec.model, num_labels=len(names), id2label=dict(enumerate(names)), label2id={name: i for i, name in enumerate(names)})
     last_layer_at_first_token(model)
-    if spec.train.activation_checkpointing:
+    if spec.train.activation_checkpointing and spec.train.pipeline_parallel_size == 1:  # stages checkpoint their own
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
 
@@ -322,7 +375,7 @@ def param_groups(model) -> list[dict]:
 
 
 def setup(spec: WorkerSpec) -> tuple:
-    """This worker's part: the process group, the tokenizer and the DeepSpeed engine."""
+    """This worker's part: the process group, the tokenizer, the DeepSpeed engine and its replica."""
     import deepspeed  # imported in the worker: it probes the accelerator at import
 
     warnings.filterwarnings("ignore", category=FutureWarning)  # torch.distributed renames used by DeepSpeed
@@ -344,8 +397,10 @@ def setup(spec: WorkerSpec) -> tuple:
     tokenizer = AutoTokenizer.from_pretrained(spec.model)
     tokenizer.model_max_length = spec.max_length  # the exported tokenizer truncates as training did
     model = build_model(spec)
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model), config=spec.deepspeed)
-    return engine, device, tokenizer
+    stages = spec.train.pipeline_parallel_size
+    module, names = pipeline.stages(model, stages, spec.train.activation_checkpointing) if stages > 1 else (model, None)
+    engine, *_ = deepspeed.initialize(model=module, model_parameters=param_groups(module), config=spec.deepspeed)
+    return engine, device, tokenizer, Replica(engine, spec.plan.accumulation, names, model.config)
 
 
 def tick(point: Point, max_steps: int, samples_per_s: float) -> Tick:
@@ -366,8 +421,8 @@ def train_worker(config: dict) -> None:
     started = time.perf_counter()
     spec, ticks = WorkerSpec.model_validate(config["spec"]), config.get("ticks")  # ticks: a tasks/progress.py channel
     cfg = spec.train
-    engine, device, tokenizer = setup(spec)
-    progress, pad_id, meter, replica = resume(engine), tokenizer.pad_token_id or 0, Meter(device), Replica(engine)
+    engine, device, tokenizer, replica = setup(spec)
+    progress, pad_id, meter = resume(engine), tokenizer.pad_token_id or 0, Meter(device)
     first_epoch, resumed_from, predictions, first_step_at = progress.epoch, engine.global_steps, None, None
     nodes: list[str] = [None] * dist.get_world_size()
     dist.all_gather_object(nodes, ray.get_runtime_context().get_node_id())
@@ -391,16 +446,11 @@ def train_worker(config: dict) -> None:
         first_done = time.perf_counter()
         for batch in islice(batches("train", spec.plan.micro_batch, cfg, pad_id, epoch), done, None):
             rows = int((batch["labels"] != IGNORED).sum())  # this worker's, before its replica joins them
-            batch = replica.join(batch, pad_id)
-            # save_on_cpu keeps the tensors autograd saves for backward in host memory until needed.
-            with torch.autograd.graph.save_on_cpu(pin_memory=True) if cfg.activation_offload else nullcontext(), alone():
-                loss, logits, labels = forward(engine, batch, device)
-                engine.backward(loss)
             steps_before = engine.global_steps
-            engine.step()  # an optimizer step only at the end of an accumulation cycle
-            if replica.leads:
-                meter.add(loss, logits, labels)
-            loss_sum += loss.detach().float()
+            for loss, logits, labels in replica.train(replica.join(batch, pad_id), device, cfg.activation_offload, alone):
+                if replica.leads:
+                    meter.add(loss, logits, labels)
+                loss_sum += loss.detach().float()
             done, trained = done + 1, trained + 1
             if trained == 1:
                 first_done, first_step_at = time.perf_counter(), first_step_at or time.time()
@@ -439,5 +489,5 @@ def train_worker(config: dict) -> None:
         save(engine, progress, progress.history[-1].model_dump())
     if predictions is None:  # a re-run of a finished run trains nothing; its export still needs them
         predictions = validate(engine, replica, spec, pad_id, device)[2]
-    export(engine, tokenizer, spec, Result(history=progress.history, curve=progress.curve, validation_predictions=predictions, nodes=nodes,
-                                                  layer_parameter_mb=layer_parameter_mb(engine.module), first_step_at=first_step_at))
+    export(replica, tokenizer, spec, Result(history=progress.history, curve=progress.curve, validation_predictions=predictions, nodes=nodes,
+                                            layer_parameter_mb=layer_parameter_mb(replica.layers()), first_step_at=first_step_at))

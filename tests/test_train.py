@@ -84,6 +84,9 @@ STRATEGIES = {
     # tensor parallelism: the encoder layers split across 2 workers; then 2 such groups as data-parallel replicas under ZeRO-3
     "tp2": {"tensor_parallel_size": 2},
     "tp2-dp2-zero3": {"tensor_parallel_size": 2, "num_workers": 4, "cpus_per_worker": 0.5, "zero_stage": 3},
+    # pipeline parallelism: 2 stages of one encoder layer each; then 2 such pipelines as data-parallel replicas under ZeRO-1
+    "pp2": {"pipeline_parallel_size": 2},
+    "pp2-dp2-zero1": {"pipeline_parallel_size": 2, "num_workers": 4, "cpus_per_worker": 0.5, "zero_stage": 1},
 }
 
 
@@ -103,11 +106,11 @@ def test_exported_model_predicts_like_the_engine_at_end_of_training(strategy, to
     assert not torch.equal(initial["bert.encoder.layer.0.attention.self.query.weight"],
                            trained["bert.encoder.layer.0.attention.self.query.weight"])
     assert AutoModelForSequenceClassification.from_pretrained(model_dir).config.id2label == dict(enumerate(LABELS))
-    if cfg.tensor_parallel_size > 1:
-        # The encoder layers' parameters a worker holds: 1/tp of them, and ZeRO-3 partitions each shard
-        # again over the data-parallel replicas (the LayerNorms stay whole: ~1%).
+    if (split := cfg.tensor_parallel_size * cfg.pipeline_parallel_size) > 1:
+        # The encoder layers' parameters a worker holds: 1/tp of each (the LayerNorms stay whole: ~1%),
+        # or 1/pp of the layers, and ZeRO-3 partitions that again over the data-parallel replicas.
         layers = AutoModelForSequenceClassification.from_pretrained(tiny_model).bert.encoder.layer
-        parts = cfg.tensor_parallel_size * (cfg.num_workers // cfg.tensor_parallel_size if cfg.zero_stage == 3 else 1)
+        parts = split * (cfg.num_workers // split if cfg.zero_stage == 3 else 1)
         assert result.layer_parameter_mb * 2**20 == pytest.approx(sum(p.numel() * 4 for p in layers.parameters()) / parts, rel=0.02)
 
 
@@ -223,7 +226,9 @@ sizes = {cluster.add_node(num_cpus=cpus).node_id: cpus for cpus in (3, 2)}
 ray.init(address=cluster.address)
 cfg = TrainConfig(tensor_parallel_size=2, num_workers=4, cpus_per_worker=1, batch_size=16, max_steps=3)
 result = fit(tokenized, ModelConfig(name_or_path=model, max_length=64), ["negative", "positive"], cfg, run_dir)
-print(json.dumps([sizes.get(node, 1) for node in result.nodes]))
+print(json.dumps([sizes.get(node, 1) for node in result.nodes]), flush=True)
+ray.shutdown()
+cluster.shutdown()
 """
 
 

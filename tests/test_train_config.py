@@ -51,7 +51,7 @@ def test_gpu_cluster_gets_one_worker_per_gpu_and_mixed_precision():
         (TrainConfig(activation_offload=True), LAPTOP, "activation_offload moves GPU activations"),
         (TrainConfig(num_workers=3), GPU_NODE, r"num_workers=3 but the Ray cluster fits 2 \(2 GPUs\)"),
         (TrainConfig(num_workers=3, tensor_parallel_size=2, cpus_per_worker=0.5), LAPTOP,
-         "num_workers=3 is not a multiple of tensor_parallel_size=2: the workers are tensor-parallel groups of 2; use num_workers=2 or 4"),
+         "num_workers=3 is not a multiple of tensor_parallel_size=2: the workers are groups of 2 that hold one copy of the model; use num_workers=2 or 4"),
     ],
 )
 def test_what_cannot_run_here_is_refused_with_what_to_change(cfg, resources, message):
@@ -79,6 +79,8 @@ def test_a_cluster_that_grows_is_asked_for_what_the_config_says():
         ({"offload_params": True, "zero_stage": 2}, "offload_params needs zero_stage=3"),
         ({"offload_optimizer": True, "zero_stage": 0}, "offload_optimizer needs zero_stage 1, 2 or 3"),
         ({"batch_size": 30, "micro_batch_size": 8}, "batch_size=30 is not a multiple of micro_batch_size=8"),
+        ({"pipeline_parallel_size": 2, "zero_stage": 2}, "pipeline_parallel_size needs zero_stage 0 or 1 without offload"),
+        ({"pipeline_parallel_size": 2, "tensor_parallel_size": 2}, "tensor_parallel_size and pipeline_parallel_size cannot both be above 1"),
     ],
 )
 def test_invalid_combinations_fail_as_parameters(fields, message):
@@ -120,12 +122,15 @@ def test_tensor_parallel_groups_take_the_workers_in_whole_groups():
         (BertConfig(num_attention_heads=4, hidden_size=64, intermediate_size=66), 4,
          "train.tensor_parallel_size=4 does not divide the model's intermediate_size=66"),
         (DistilBertConfig(), 2, "is a 'distilbert' model, and ftflow splits BERT-family encoders only .*: set it to 1"),
+        (BertConfig(num_hidden_layers=3), {"pipeline_parallel_size": 2},
+         "train.pipeline_parallel_size=2 does not divide the model's num_hidden_layers=3: use a divisor of 3"),
     ],
 )
 def test_a_model_the_split_does_not_fit_is_refused_before_the_cluster(model_config, size, message, tmp_path):
     model_config.save_pretrained(tmp_path)  # the config is all the check reads
+    split = size if isinstance(size, dict) else {"tensor_parallel_size": size}
     with pytest.raises(ValueError, match=message):
-        check_parallelism(TrainConfig(tensor_parallel_size=size), ModelConfig(name_or_path=str(tmp_path)))
+        check_parallelism(TrainConfig(**split), ModelConfig(name_or_path=str(tmp_path)))
 
 
 def test_strategy_auto_owns_what_it_chooses():
