@@ -13,7 +13,7 @@ Baselines, measured in the same run on the same tokenized rows:
 Then ftflow's training task (DeepSpeed): the default (ZeRO 0, length-grouped batches, its default
 layout: one worker with every CPU on one machine; `--workers` x `--cpus-per-worker` override it),
 the same without length grouping and as 2 workers x 1 thread, ZeRO 1, 2, 3 and 3 + parameter and
-optimizer offload on 2 workers. Every strategy trains on the same rows with the same
+optimizer offload on 2 workers, tensor parallelism over 2 workers and 2 pipeline stages. Every strategy trains on the same rows with the same
 global batch and recipe, in its own seeded order (the loops: DistributedSampler, seed 42), pads each
 batch to its longest row, and checkpoints once half-way so the checkpoint's cost is measured too.
 
@@ -63,6 +63,11 @@ DEEPSPEED = {
     "zero2": {"zero_stage": 2, "num_workers": 2},
     "zero3": {"zero_stage": 3, "num_workers": 2},
     "zero3 + offload": {"zero_stage": 3, "num_workers": 2, "offload_params": True, "offload_optimizer": True},
+    # The model split in two: every layer's matrices (tensor parallel), or its layers in 2 stages, fed
+    # one micro-batch per step, and 4 (micro-batches of 4 rows per worker) so that the stages overlap.
+    "tp2": {"tensor_parallel_size": 2, "num_workers": 2},
+    "pp2": {"pipeline_parallel_size": 2, "num_workers": 2},
+    "pp2, 4 micro-batches": {"pipeline_parallel_size": 2, "num_workers": 2, "micro_batch_size": 4},
 }
 
 

@@ -1,10 +1,12 @@
 """`strategy: auto`: the fastest training strategy whose memory fits a worker.
 
-The candidates go fastest first, as bench/RESULTS.md measured them (all-MiniLM-L6-v2, 2 CPU workers,
-samples/s against bare PyTorch): ZeRO-0 1.03, ZeRO-1 0.85, ZeRO-2 0.80, ZeRO-3 0.49, ZeRO-3 with
-offload 0.47; then tensor parallelism and pipeline stages, which split what ZeRO-3 cannot: the activations
-and the layer being computed. Offload moves state to host memory, which a GPU worker has beside its own and a CPU
-worker does not, so it is a candidate on GPUs only.
+The candidates go fastest first, as bench/RESULTS.md measured them (all-MiniLM-L6-v2, 2 CPU workers
+of 1 thread, samples/s): ZeRO-0 58.9, tensor parallel x2 55.4, 2 pipeline stages 55.1, ZeRO-1 42.1,
+ZeRO-2 (0.94x ZeRO-1 in an earlier run), ZeRO-3 24.1, ZeRO-3 with offload 24.0. Then, unmeasured and
+so last, splits of 2 on top of the most memory-saving ZeRO stage each takes, and splits of 4 and 8.
+Offload moves state to host memory, which a GPU worker has beside its own and a CPU worker does not,
+so it is a candidate on GPUs only. The order is measured on CPUs; on GPUs the links between them
+decide what tensor parallelism costs (not measured here).
 
 A candidate's need per worker = model states (DeepSpeed's estimators) + activations + the process.
 """
@@ -23,6 +25,7 @@ GIB = 2**30
 CPU_PROCESS_BYTES = int(0.65 * GIB)
 
 ZERO = [{"zero_stage": stage} for stage in range(4)]
+SPLITS = (2, 4, 8)  # tensor-parallel and pipeline sizes tried
 OFFLOAD = [{"zero_stage": 3, "offload_optimizer": True}, {"zero_stage": 3, "offload_optimizer": True, "offload_params": True}]
 
 
@@ -92,12 +95,12 @@ def activation_bytes(size: ModelSize, micro_batch: int, seq: int, tp: int, pp: i
     return int(2 * (size.layers // pp) * pp * s * b * h * (10 + 24 / tp + 5 * a * s / (h * tp)))
 
 
-def candidates(use_gpu: bool, sizes: list[int]) -> list[dict]:
-    """Fastest first: the ZeRO stages, offload (on GPUs), then each tensor-parallel and pipeline size
-    given (pipelines with ZeRO-1, the most DeepSpeed's pipeline engine takes)."""
+def candidates(use_gpu: bool) -> list[dict]:
+    """Fastest first (see above); pipelines with ZeRO-1 at most, all DeepSpeed's pipeline engine takes."""
     last = OFFLOAD[-1] if use_gpu else ZERO[-1]
-    return [*ZERO, *(OFFLOAD if use_gpu else []), *({**last, "tensor_parallel_size": tp} for tp in sizes),
-            *({"zero_stage": 1, "pipeline_parallel_size": pp} for pp in sizes)]
+    measured = [ZERO[0], {"zero_stage": 0, "tensor_parallel_size": 2}, {"zero_stage": 0, "pipeline_parallel_size": 2}, *ZERO[1:],
+                *(OFFLOAD if use_gpu else [])]
+    return [*measured, *({**last, "tensor_parallel_size": size} for size in SPLITS), *({**ZERO[1], "pipeline_parallel_size": size} for size in SPLITS)]
 
 
 def pick(options: list[tuple[dict, int, int]]) -> Choice:
@@ -116,7 +119,8 @@ def pick(options: list[tuple[dict, int, int]]) -> Choice:
 
 
 def describe(settings: dict) -> str:
-    words = [f"ZeRO-{settings['zero_stage']}" if settings["zero_stage"] else "data parallel (ZeRO-0)"]
+    split = settings.get("tensor_parallel_size", 1) * settings.get("pipeline_parallel_size", 1) > 1
+    words = [f"ZeRO-{settings['zero_stage']}" if settings["zero_stage"] or split else "data parallel (ZeRO-0)"]
     if settings.get("offload_params"):
         words.append("parameter and optimizer offload")
     elif settings.get("offload_optimizer"):

@@ -127,7 +127,7 @@ def resolved(cfg: TrainConfig, model: ModelConfig, labels: int, resources: clust
     per_cpu = strategy.memory_per_cpu(use_gpu) if cfg.memory_per_worker_gb is None else None
     gpu = strategy.gpu_memory() if use_gpu and cfg.memory_per_worker_gb is None else None
     options = []
-    for settings in strategy.candidates(use_gpu, sizes=[2, 4, 8]):
+    for settings in strategy.candidates(use_gpu):
         candidate = cfg.model_copy(update={**settings, "strategy": "manual", "memory_per_worker_gb": None})
         try:
             check_parallelism(candidate, model)

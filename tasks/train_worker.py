@@ -187,8 +187,9 @@ class Replica:
 
         self.engine, self.accumulation, self.names, self.config = engine, accumulation, names, config
         self.pending: list[dict] = []  # a pipeline's micro-batches of the step to come
+        self.head = pipeline.head(engine) if names is not None else None  # a pipeline's last stage's head
         if names is not None:  # pipeline stages (tasks/pipeline.py)
-            self.group, self.leads, self.head = engine.grid.get_pipe_parallel_group(), engine.is_last_stage(), pipeline.head(engine)
+            self.group, self.leads = engine.grid.get_pipe_parallel_group(), engine.is_last_stage()
         elif engine.autotp_size() > 1:
             self.group, self.leads = groups.get_tensor_model_parallel_group(), groups.get_tensor_model_parallel_rank() == 0
         else:
