@@ -265,7 +265,7 @@ def fit(tokenized: dict[str, str], model: ModelConfig, label_names: list[str], c
     resources = cluster.Resources.of_cluster()
     cfg, choice = resolved(cfg, model, len(label_names), resources)
     if choice:
-        logger.info("strategy=auto chose %s: %s", strategy.describe(choice.settings), choice.reason)
+        logger.info("strategy=auto: %s", choice.reason)
     the_plan = plan(cfg, resources)
     train_rows, train_count = split(tokenized["train"], the_plan.workers)
     validation_rows, _ = split(tokenized["validation"], the_plan.workers)
