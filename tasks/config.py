@@ -103,7 +103,7 @@ class ModelConfig(Strict):
 
 
 # The fields strategy=auto sets (tasks/strategy.py).
-AUTO_CHOOSES = ("zero_stage", "offload_optimizer", "offload_params", "tensor_parallel_size")
+AUTO_CHOOSES = ("zero_stage", "offload_optimizer", "offload_params", "tensor_parallel_size", "pipeline_parallel_size")
 
 
 class TrainConfig(Strict):
@@ -116,7 +116,7 @@ class TrainConfig(Strict):
                                                                    "on one machine's CPUs all it gives ftflow (shared among num_workers when "
                                                                    "set), else 1.")
     strategy: Literal["manual", "auto"] = Field(
-        "manual", description="auto: ftflow sets zero_stage, offload and tensor_parallel_size to the fastest strategy whose "
+        "manual", description="auto: ftflow sets zero_stage, offload, tensor_parallel_size and pipeline_parallel_size to the fastest strategy whose "
                               "estimated memory fits a worker (memory_per_worker_gb), and logs and records why; manual: as set here.")
     memory_per_worker_gb: float | None = Field(None, gt=0, description="For strategy=auto: the memory one worker may use; default: "
                                                                       "its GPU's, or on CPUs its share of its node's memory.")

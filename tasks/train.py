@@ -74,11 +74,16 @@ def model_parallel(cfg: TrainConfig) -> int:
     return cfg.tensor_parallel_size * cfg.pipeline_parallel_size
 
 
+def split_field(cfg: TrainConfig) -> str:
+    """The field that splits the model, for messages (the config allows one above 1)."""
+    return "tensor_parallel_size" if cfg.tensor_parallel_size > 1 else "pipeline_parallel_size"
+
+
 def check_parallelism(cfg: TrainConfig, model: ModelConfig) -> None:
     """Refuse a split that the model cannot take, saying what to change, before any cluster work."""
     if model_parallel(cfg) == 1:
         return
-    name, size = ("tensor_parallel_size", cfg.tensor_parallel_size) if cfg.tensor_parallel_size > 1 else ("pipeline_parallel_size", cfg.pipeline_parallel_size)
+    name, size = split_field(cfg), model_parallel(cfg)
     config = AutoConfig.from_pretrained(model.name_or_path)
     if config.model_type not in SPLITTABLE:
         raise ValueError(f"train.{name}={size}: {model.name_or_path} is a '{config.model_type}' model, and ftflow "
@@ -95,7 +100,7 @@ def plan(cfg: TrainConfig, resources: cluster.Resources) -> Plan:
     use_gpu = resources.use_gpu(cfg.device)
     cpus_per_worker = worker_cpus(cfg, resources, use_gpu)
     workers, group = resources.training_workers(cfg.num_workers, cpus_per_worker, use_gpu), model_parallel(cfg)
-    name = "tensor_parallel_size" if cfg.tensor_parallel_size > 1 else "pipeline_parallel_size"
+    name = split_field(cfg)
     if cfg.num_workers is None:
         fits, workers = workers, max(group, workers - workers % group)  # whole groups
         if workers > fits and not resources.can_grow:

@@ -166,10 +166,13 @@ def batches(split: str, micro_batch: int, cfg: TrainConfig, pad_id: int, epoch: 
         yield from grouped if order is None else (grouped[i] for i in order.permutation(len(grouped)))
 
 
+def logits_of(engine, batch: dict, device: torch.device) -> torch.Tensor:
+    return engine(input_ids=batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device)).logits
+
+
 def forward(engine, batch: dict, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(mean loss over the batch's real rows, logits, labels); padding rows count for nothing."""
-    labels = batch["labels"].to(device)
-    logits = engine(input_ids=batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device)).logits
+    labels, logits = batch["labels"].to(device), logits_of(engine, batch, device)
     return mean_loss(logits, labels), logits, labels
 
 
@@ -230,7 +233,7 @@ class Replica:
     def logits(self, batch: dict, device: torch.device) -> torch.Tensor | None:
         """Eval-mode logits of a micro-batch, on the ranks that hold them."""
         if self.names is None:
-            return self.engine(input_ids=batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device)).logits
+            return logits_of(self.engine, batch, device)
         _, logits = self.engine.eval_batch(iter([self.pipe_inputs(batch, device)]), return_logits=True, num_micro_batches=1)
         if self.head:
             self.head.logits.clear()
@@ -246,11 +249,12 @@ class Replica:
             return [layer.layer for layer in self.engine.module.forward_funcs if isinstance(layer, pipeline.EncoderLayer)]
         return list(getattr(getattr(self.engine.module.base_model, "encoder", None), "layer", None) or [])
 
-    def exported(self, split: bool) -> tuple[torch.nn.Module | None, dict | None]:
+    def exported(self) -> tuple[torch.nn.Module | None, dict | None]:
         """(model, state dict) for rank 0 to save, the whole model gathered from where it is split
         (ZeRO-3, tensor parallelism, pipeline stages): every rank must call it."""
         if self.names is not None:
             return pipeline.consolidated(self.engine, self.names, self.config), None
+        split = self.group is not None or self.engine.zero_optimization_partition_weights()
         return self.engine.module, self.engine._consolidated_16bit_state_dict() if split else None
 
 
@@ -342,7 +346,7 @@ def resume(engine) -> Progress:
 def export(replica: Replica, tokenizer, spec: WorkerSpec, result: Result) -> None:
     """Rank 0 writes the consolidated HF model folder straight into the run's storage (the driver
     never downloads checkpoint shards); where the parameters are split every rank joins the gather."""
-    model, weights = replica.exported(split=spec.train.zero_stage == 3 or spec.train.tensor_parallel_size > 1)
+    model, weights = replica.exported()
     if dist.get_rank() == 0:
         with tempfile.TemporaryDirectory() as folder:
             model.save_pretrained(folder, state_dict=weights)

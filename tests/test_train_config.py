@@ -115,26 +115,25 @@ def test_tensor_parallel_groups_take_the_workers_in_whole_groups():
 
 
 @pytest.mark.parametrize(
-    ("model_config", "size", "message"),
+    ("model_config", "split", "message"),
     [
-        (BertConfig(num_attention_heads=6, hidden_size=384), 4,
+        (BertConfig(num_attention_heads=6, hidden_size=384), {"tensor_parallel_size": 4},
          "train.tensor_parallel_size=4 does not divide the model's num_attention_heads=6: use a divisor of 6"),
-        (BertConfig(num_attention_heads=4, hidden_size=64, intermediate_size=66), 4,
+        (BertConfig(num_attention_heads=4, hidden_size=64, intermediate_size=66), {"tensor_parallel_size": 4},
          "train.tensor_parallel_size=4 does not divide the model's intermediate_size=66"),
-        (DistilBertConfig(), 2, "is a 'distilbert' model, and ftflow splits BERT-family encoders only .*: set it to 1"),
+        (DistilBertConfig(), {"tensor_parallel_size": 2}, "is a 'distilbert' model, and ftflow splits BERT-family encoders only .*: set it to 1"),
         (BertConfig(num_hidden_layers=3), {"pipeline_parallel_size": 2},
          "train.pipeline_parallel_size=2 does not divide the model's num_hidden_layers=3: use a divisor of 3"),
     ],
 )
-def test_a_model_the_split_does_not_fit_is_refused_before_the_cluster(model_config, size, message, tmp_path):
+def test_a_model_the_split_does_not_fit_is_refused_before_the_cluster(model_config, split, message, tmp_path):
     model_config.save_pretrained(tmp_path)  # the config is all the check reads
-    split = size if isinstance(size, dict) else {"tensor_parallel_size": size}
     with pytest.raises(ValueError, match=message):
         check_parallelism(TrainConfig(**split), ModelConfig(name_or_path=str(tmp_path)))
 
 
 def test_strategy_auto_owns_what_it_chooses():
-    with pytest.raises(ValidationError, match="strategy=auto chooses zero_stage, offload_optimizer, offload_params, tensor_parallel_size, "
+    with pytest.raises(ValidationError, match="strategy=auto chooses zero_stage, offload_optimizer, offload_params, tensor_parallel_size, pipeline_parallel_size, "
                                               "and zero_stage=3 was set too: leave it out, or set strategy=manual"):
         TrainConfig(strategy="auto", zero_stage=3)
     with pytest.raises(ValidationError, match="memory_per_worker_gb is read by strategy=auto only"):
