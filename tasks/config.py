@@ -33,6 +33,15 @@ def default_storage_root() -> str:
     return os.environ.get("FTFLOW_STORAGE_ROOT", str(PROJECT_ROOT / "artifacts"))
 
 
+def hub_free(name_or_path: str) -> dict:
+    """from_pretrained's arguments that keep it off the model hub for a folder (a local path, or one
+    downloaded from object storage): transformers may still ask the hub about a name it could take
+    for a hub id, and where packets are dropped each question waits ~10 s. HF_HUB_OFFLINE is not
+    needed for this: the CLI and the deployments do not set it."""
+    path = Path(name_or_path).expanduser()
+    return {"local_files_only": True} if "://" in name_or_path or path.is_absolute() or path.is_dir() else {}
+
+
 # A run id or model name: it becomes a folder in storage, so it must stay one (no '/', no '..').
 SafeName = Annotated[str, AfterValidator(lambda value: safe_name(value, "name"))]
 
@@ -163,6 +172,12 @@ class TrainConfig(Strict):
     max_failures: int = Field(2, ge=0, description="Worker failures survived by restarting from the last checkpoint.")
     timeout_s: float | None = Field(None, gt=0, description="Fail training that runs longer than this, workers stopped "
                                                             "(the same run_id again resumes from its last checkpoint); default: none.")
+    stall_warning_s: float | None = Field(None, gt=0, description="When no worker has shown progress for this long, write a stall "
+                                                                  "report (stacks of every worker, GPUs, the cluster) under the run's "
+                                                                  "stall/ and warn; the run goes on. Default: 300 s, then 20 x the "
+                                                                  "recent step time (at least 30 s) once steps flow.")
+    collective_timeout_s: float = Field(600, gt=0, description="How long a collective (all-reduce, broadcast) waits for every worker "
+                                                               "before the workers fail and Ray Train retries them (Ray's default: 30 min).")
     deepspeed: dict = Field({}, description="Raw DeepSpeed JSON merged over the derived one, for experts.")
 
     @model_validator(mode="after")

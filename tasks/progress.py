@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -23,6 +24,7 @@ TICK = "ftflow_tick"  # the log record attribute holding a Tick
 STAGE = "ftflow_stage"  # ("start" or "end", the stage): the record marks a flow stage's start or end
 RUN_DIR = "ftflow_run_dir"  # the run's folder, once the run has checked it is ftflow's
 DRAIN_EVERY_S = 1.0
+TICKS, LINES, BEATS = "t/", "l/", "b/"  # a channel's three kinds of key
 
 
 class Tick(BaseModel):
@@ -45,6 +47,23 @@ class Tick(BaseModel):
     def line(self) -> str:
         of = f" / {self.total:,.0f}" if self.total is not None else ""
         return f"{self.stage}: {self.done:,.0f}{of} {self.unit}" + (f", {self.words()}" if self.words() else "")
+
+
+class Line(BaseModel):
+    """A line a worker or Ray Train's controller has for the run's log (a failure, what an engine is)."""
+
+    level: int
+    text: str
+
+
+class Beat(BaseModel):
+    """A worker's heartbeat: what it is doing now (a phase, and the optimizer step it is at)."""
+
+    rank: int
+    phase: str  # e.g. "loading the model", "training", "validating"
+    step: int = 0
+    node_id: str
+    pid: int
 
 
 def log_tick(log: logging.Logger, tick: Tick) -> None:
@@ -73,23 +92,59 @@ def periodically(action: Callable[[], None], every_s: float, last: bool = False)
 
 
 @contextmanager
-def relayed(log: logging.Logger) -> Iterator[str]:
-    """A channel for Ray workers to post() ticks on; while the block runs, its ticks are logged on
-    `log` in order. The channel is a key prefix in Ray's GCS key-value store, which every driver and
-    worker already talks to: an actor as the inbox took one of the warm Ray worker processes the
-    training workers start in, and the main job's first training step came 3 s later (16.8 -> 20.0 s)."""
+def relayed(log: logging.Logger, watch: Callable[[dict[int, Beat]], None] | None = None) -> Iterator[str]:
+    """A channel for Ray workers (and Ray Train's controller) to post ticks, lines and heartbeats on;
+    while the block runs, its ticks and lines are logged on `log` in order, and `watch` is given the
+    workers' latest heartbeats, every DRAIN_EVERY_S. The channel is a key prefix in Ray's GCS
+    key-value store, which every driver and worker already talks to: an actor as the inbox took one of
+    the warm Ray worker processes the training workers start in, and the main job's first training
+    step came 3 s later (16.8 -> 20.0 s)."""
     channel = f"{uuid.uuid4().hex}/"
 
     def drain() -> None:
-        for key in sorted(internal_kv._internal_kv_list(channel, namespace=NAMESPACE)):
-            tick = internal_kv._internal_kv_get(key, namespace=NAMESPACE)
-            internal_kv._internal_kv_del(key, namespace=NAMESPACE)
-            log_tick(log, Tick.model_validate_json(tick))
+        for key in sorted(internal_kv._internal_kv_list(channel + TICKS, namespace=NAMESPACE)):
+            log_tick(log, Tick.model_validate_json(taken(key)))
+        for key in sorted(internal_kv._internal_kv_list(channel + LINES, namespace=NAMESPACE)):
+            line = Line.model_validate_json(taken(key))
+            log.log(line.level, line.text)
+        if watch is not None:
+            watch({beat.rank: beat for beat in map(Beat.model_validate_json, values(channel + BEATS))})
 
-    with periodically(drain, DRAIN_EVERY_S, last=True):
-        yield channel
+    try:
+        with periodically(drain, DRAIN_EVERY_S, last=True):
+            yield channel
+    finally:
+        for key in internal_kv._internal_kv_list(channel, namespace=NAMESPACE):  # the last beats
+            internal_kv._internal_kv_del(key, namespace=NAMESPACE)
+
+
+def taken(key: bytes) -> bytes:
+    value = internal_kv._internal_kv_get(key, namespace=NAMESPACE)
+    internal_kv._internal_kv_del(key, namespace=NAMESPACE)
+    return value
+
+
+def values(prefix: str) -> list[bytes]:
+    keys = internal_kv._internal_kv_list(prefix, namespace=NAMESPACE)
+    return [value for key in keys if (value := internal_kv._internal_kv_get(key, namespace=NAMESPACE)) is not None]
 
 
 def post(channel: str, tick: Tick) -> None:
     """From a Ray worker: a tick for the driver that opened the channel (keys sort in order of `done`)."""
-    internal_kv._internal_kv_put(f"{channel}{tick.done:015.3f}", tick.model_dump_json(), namespace=NAMESPACE)
+    internal_kv._internal_kv_put(f"{channel}{TICKS}{tick.done:015.3f}", tick.model_dump_json(), namespace=NAMESPACE)
+
+
+def say(channel: str, level: int, text: str) -> None:
+    """From a Ray worker or actor: one line for the driver's log, at `level` (keys sort in time order)."""
+    line = Line(level=level, text=text)
+    internal_kv._internal_kv_put(f"{channel}{LINES}{time.time():017.6f}-{uuid.uuid4().hex[:6]}", line.model_dump_json(), namespace=NAMESPACE)
+
+
+def beat(channel: str, heartbeat: Beat) -> None:
+    """From a Ray worker: its latest heartbeat, replacing the one before."""
+    internal_kv._internal_kv_put(f"{channel}{BEATS}{heartbeat.rank:06d}", heartbeat.model_dump_json(), namespace=NAMESPACE)
+
+
+def last_beat(channel: str, rank: int) -> Beat | None:
+    value = internal_kv._internal_kv_get(f"{channel}{BEATS}{rank:06d}", namespace=NAMESPACE)
+    return None if value is None else Beat.model_validate_json(value)

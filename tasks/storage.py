@@ -68,6 +68,8 @@ def check_writable(uri: str, what: str) -> None:
         existing = Path(normalize(uri))
         while not existing.exists():
             existing = existing.parent
+        if not existing.is_dir():  # os.access says a file is writable, and nothing can go under it
+            raise ValueError(f"{what} {uri}: {existing} is a file, not a folder")
         if not os.access(existing, os.W_OK):
             raise ValueError(f"{what} {uri}: {existing} is not writable")
         return
@@ -337,7 +339,7 @@ class RunStore:
     run_id: str
 
     # Everything ftflow writes in a run's folder: a folder holding anything else is not ftflow's.
-    LAYOUT = frozenset({"train", "model", "metrics.json", "predictions", "report", "manifest.json", "logs"})
+    LAYOUT = frozenset({"train", "model", "metrics.json", "predictions", "report", "manifest.json", "logs", "stall"})
 
     def __post_init__(self) -> None:
         safe_name(self.run_id, "run_id")

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pydantic import BaseModel
 from transformers import AutoConfig, AutoModelForSequenceClassification
 
+from tasks.config import hub_free
+
 GIB = 2**30
 # What a CPU worker holds before its model: Python, torch, transformers, DeepSpeed and Ray's worker
 # (RSS of a tiny-model worker, whose model is ~1 MB: 0.65 GiB at its peak). A GPU's memory holds
@@ -53,7 +55,7 @@ class ModelSize:
         """Counted on the model's structure, built without weights (meta device): no load."""
         import torch
 
-        config = AutoConfig.from_pretrained(name_or_path, num_labels=labels)
+        config = AutoConfig.from_pretrained(name_or_path, num_labels=labels, **hub_free(name_or_path))
         with torch.device("meta"):
             model = AutoModelForSequenceClassification.from_config(config)
         encoder = getattr(getattr(model.base_model, "encoder", None), "layer", None)

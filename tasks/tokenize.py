@@ -27,6 +27,7 @@ from tokenizers import Tokenizer
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from tasks import cluster, jobs, storage
+from tasks.config import hub_free
 from tasks.data import Split
 from tasks.live import Tracked
 from tasks.predictor import truncating
@@ -75,7 +76,7 @@ def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
     if not folder.is_dir() and (folder.is_absolute() or name_or_path.startswith((".", "~")) or name_or_path.count("/") > 1):
         raise ValueError(f"model.name_or_path {name_or_path}: no such folder")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path, **hub_free(name_or_path))
     except (OSError, ValueError) as error:  # a hub id that is not in the local cache, or not on the hub
         offline = " (HF_HUB_OFFLINE is set: nothing is downloaded)" if os.environ.get("HF_HUB_OFFLINE") in ("1", "true") else ""
         raise ValueError(f"model.name_or_path {name_or_path}: not a folder here, and the Hugging Face hub does not resolve it"

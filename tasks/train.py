@@ -14,20 +14,21 @@ import pyarrow.dataset
 import ray
 from prefect import task
 from ray.data import DataContext
-from ray.train import CheckpointConfig, ControllerError, DataConfig, FailureConfig, RunConfig, ScalingConfig
+from ray.train import CheckpointConfig, ControllerError, DataConfig, FailureConfig, RunConfig, ScalingConfig, WorkerGroupError
 from ray.train.v2._internal.constants import HEALTH_CHECK_INTERVAL_S_ENV_VAR, WORKER_GROUP_START_TIMEOUT_S_ENV_VAR
 from ray.train.v2._internal.exceptions import WorkerGroupStartupTimeoutError
 from ray.train.torch import TorchConfig, TorchTrainer
 from transformers import AutoConfig
 
 from tasks import cluster, jobs, storage, strategy
-from tasks.config import ModelConfig, TrainConfig
+from tasks.config import ModelConfig, TrainConfig, hub_free
 from tasks.first_token import FIRST_TOKEN_CLASSIFIERS
 from tasks.live import Tracked
 from tasks.progress import relayed
 from tasks.retries import RETRY_TRANSIENT
 from tasks.shards import SHARD_SCHEMA
-from tasks.train_worker import IGNORED, STATE_FILE, Plan, Result, WorkerSpec, train_worker
+from tasks.train_worker import IGNORED, STATE_FILE, Fault, Plan, Result, WorkerSpec, train_worker
+from tasks.watch import FailureRelay, Watchdog, own
 
 # Carried by every training task run: a Prefect concurrency limit on this tag (deployments/) keeps
 # two training runs from competing for one Ray cluster.
@@ -51,6 +52,9 @@ SPLITTABLE = FIRST_TOKEN_CLASSIFIERS
 
 # How often Ray Train's controller polls its workers (see fit).
 HEALTH_CHECK_INTERVAL_S = 0.5
+# What the tests turn on in the workers, from the driver's environment: every collective's tensor
+# checked against the training device (tasks/devices.py), and a fault at a step (train_worker.Fault).
+CHECK_DEVICES, FAULT = "FTFLOW_TEST_CHECK_DEVICES", "FTFLOW_TEST_FAULT"
 
 
 def cpu_has_native_bf16() -> bool:
@@ -84,7 +88,7 @@ def check_parallelism(cfg: TrainConfig, model: ModelConfig) -> None:
     if model_parallel(cfg) == 1:
         return
     name, size = split_field(cfg), model_parallel(cfg)
-    config = AutoConfig.from_pretrained(model.name_or_path)
+    config = AutoConfig.from_pretrained(model.name_or_path, **hub_free(model.name_or_path))
     if config.model_type not in SPLITTABLE:
         raise ValueError(f"train.{name}={size}: {model.name_or_path} is a '{config.model_type}' model, and ftflow "
                          f"splits BERT-family encoders only ({', '.join(sorted(SPLITTABLE))}): set it to 1")
@@ -246,6 +250,14 @@ def split(uri: str, workers: int) -> tuple[ray.data.Dataset, int]:
     return rows, count
 
 
+def worker_exception(error: WorkerGroupError) -> BaseException:
+    """The lowest failed rank's own exception, its traceback (from the worker) kept as a note."""
+    rank, failure = min(error.worker_failures.items())
+    exception = own(failure)
+    exception.add_note(f"raised by training worker {rank}" + (f":\n{failure}" if failure is not exception else ""))
+    return exception
+
+
 def data_config() -> DataConfig:
     """Ray Train's ingest with the blocks kept in order, so that the split each worker gets, and so
     the order of every epoch, follows from the seed alone (Ray hands blocks out as they come)."""
@@ -276,7 +288,7 @@ def fit(tokenized: dict[str, str], model: ModelConfig, label_names: list[str], c
     validation_rows, _ = split(tokenized["validation"], the_plan.workers)
     batches_per_epoch = math.ceil((train_count + -train_count % the_plan.workers) / the_plan.workers / the_plan.micro_batch)
     max_steps = min(cfg.max_steps or math.inf, cfg.epochs * (batches_per_epoch // the_plan.accumulation))
-    hidden_size = getattr(AutoConfig.from_pretrained(model.name_or_path), "hidden_size", 768)
+    hidden_size = getattr(AutoConfig.from_pretrained(model.name_or_path, **hub_free(model.name_or_path)), "hidden_size", 768)
     model_uri = storage.join(run_dir, "model")
     spec = WorkerSpec(train=cfg, plan=the_plan, deepspeed=deepspeed_config(cfg, the_plan, max_steps, hidden_size),
                       model=model.name_or_path, label_names=label_names, max_length=model.max_length,
@@ -285,23 +297,26 @@ def fit(tokenized: dict[str, str], model: ModelConfig, label_names: list[str], c
     logger.info("training on %s, %d steps", the_plan.describe(cfg), max_steps)
     if the_plan.precision == "bf16" and not the_plan.use_gpu and not cpu_has_native_bf16():  # this machine's CPU, as a hint
         logger.warning("precision=bf16 on a CPU without native bf16 (avx512_bf16, amx): it trains, but ~2.4x slower than fp32")
-    with relayed(logger) as ticks:  # every log_every_steps step's loss, accuracy and samples/s, while training runs
+    fault = Fault.model_validate_json(os.environ[FAULT]).model_dump() if os.environ.get(FAULT) else None
+    # The workers' ticks, lines and heartbeats, while training runs; a stall is reported under the run.
+    with relayed(logger, Watchdog(logger, run_dir, cfg.stall_warning_s)) as channel:
         trainer = TorchTrainer(
             train_worker,
-            train_loop_config={"spec": spec.model_dump(), "ticks": ticks},
+            train_loop_config={"spec": spec.model_dump(), "channel": channel, "fault": fault, "check_devices": os.environ.get(CHECK_DEVICES) == "1"},
             datasets={"train": train_rows.random_shuffle(seed=cfg.seed), "validation": validation_rows},
             dataset_config=data_config(),
             scaling_config=ScalingConfig(
                 num_workers=the_plan.workers, use_gpu=the_plan.use_gpu, resources_per_worker={"CPU": the_plan.cpus_per_worker},
                 label_selector=cluster.groups_on_nodes(the_plan.workers, cfg.tensor_parallel_size, the_plan.cpus_per_worker, the_plan.use_gpu),
             ),
-            torch_config=TorchConfig(backend="nccl" if the_plan.use_gpu else "gloo"),
+            torch_config=TorchConfig(backend="nccl" if the_plan.use_gpu else "gloo", timeout_s=int(cfg.collective_timeout_s)),
             run_config=RunConfig(
                 name="ray", storage_path=storage_path, storage_filesystem=filesystem,
                 worker_runtime_env={"env_vars": ZERO3_WORKER_ENV if cfg.zero_stage == 3 else {}},
                 checkpoint_config=CheckpointConfig(num_to_keep=2),
                 # A controller failure is the worker group not starting: retried, it would wait forever.
                 failure_config=FailureConfig(max_failures=cfg.max_failures, controller_failure_limit=0),
+                callbacks=[FailureRelay(channel, cfg.max_failures)],  # each failure said at once, not only in Ray's log
             ),
         )
         # Ray Train reads how long a worker group may take to start, and how often its controller polls
@@ -311,6 +326,8 @@ def fit(tokenized: dict[str, str], model: ModelConfig, label_names: list[str], c
         os.environ[HEALTH_CHECK_INTERVAL_S_ENV_VAR] = str(HEALTH_CHECK_INTERVAL_S)
         try:
             trainer.fit()
+        except WorkerGroupError as error:  # the last attempt failed: the worker's own exception, not Ray's wrapper
+            raise worker_exception(error) from None
         except ControllerError as error:
             if not isinstance(error.controller_failure, WorkerGroupStartupTimeoutError):
                 raise

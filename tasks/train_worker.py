@@ -18,6 +18,7 @@ holds its group, `prefetch_batches` more and the shuffle buffer, whatever the co
 
 from __future__ import annotations
 
+import copy
 import logging
 import resource
 import tempfile
@@ -25,6 +26,7 @@ import time
 import warnings
 from collections.abc import Iterator
 from contextlib import nullcontext
+from datetime import timedelta
 from itertools import islice
 from pathlib import Path
 
@@ -37,15 +39,17 @@ import torch.distributed as dist
 from pydantic import BaseModel
 from ray.train import Checkpoint
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, set_seed
+from ray.experimental import internal_kv
 from transformers.integrations.deepspeed import HfDeepSpeedConfig
 
-from tasks import pipeline, storage
-from tasks.config import TrainConfig
+from tasks import devices, pipeline, storage
+from tasks.config import TrainConfig, hub_free
 from tasks.first_token import last_layer_at_first_token
 from tasks.pipeline import IGNORED, mean_loss
 from tasks.predictor import padded
-from tasks.progress import Tick, post
+from tasks.progress import NAMESPACE, Tick, post, say
 from tasks.strategy import Choice
+from tasks.watch import TRAINING, Pulse
 
 STATE_FILE = "training_state.json"  # beside the exported model: the history, the curve, the validation predictions
 
@@ -78,6 +82,15 @@ class WorkerSpec(BaseModel):
     batches_per_epoch: int  # micro-batches per worker and epoch, the same on every worker
     max_steps: int  # optimizer steps of the whole run
     model_uri: str  # where rank 0 writes the consolidated model
+
+
+class Fault(BaseModel):
+    """A fault the tests inject (FTFLOW_TEST_FAULT, as JSON, read by the driver): at optimizer step
+    `step`, worker `rank` raises, or with hang_s waits that long, once per run."""
+
+    step: int
+    rank: int = 0
+    hang_s: float = 0.0
 
 
 class Point(BaseModel):
@@ -131,24 +144,30 @@ class Result(BaseModel):
     strategy: Choice | None = None  # what strategy=auto chose and why, added by the driver
 
 
-def collate(batch: dict[str, np.ndarray], pad_id: int) -> dict[str, torch.Tensor]:
-    """A Ray Data batch of tokenized rows -> padded tensors (row numbers kept, for validation)."""
+def collate(batch: dict[str, np.ndarray], pad_id: int, pin: bool) -> dict[str, torch.Tensor]:
+    """A Ray Data batch of tokenized rows -> padded host tensors (row numbers kept, for validation),
+    in page-locked memory for a GPU, so that their copy to it runs beside the compute."""
     rows = list(batch["input_ids"])
     input_ids, attention_mask = padded(rows, np.fromiter(map(len, rows), np.int64, len(rows)), pad_id)
-    return {"input_ids": torch.from_numpy(input_ids), "attention_mask": torch.from_numpy(attention_mask),
-            "labels": torch.tensor(batch["label"]), "row": torch.tensor(batch["row"])}  # copies: Ray's arrays are read-only
+    host = {"input_ids": torch.from_numpy(input_ids), "attention_mask": torch.from_numpy(attention_mask),
+            "labels": torch.tensor(batch["label"], device="cpu"), "row": torch.tensor(batch["row"], device="cpu")}  # copies: Ray's arrays are read-only
+    return {key: tensor.pin_memory() for key, tensor in host.items()} if pin else host
 
 
-def by_length(group: list[dict[str, np.ndarray]], pad_id: int) -> list[dict[str, torch.Tensor]]:
+def on(device: torch.device, tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to(device, non_blocking=True)  # from pinned memory: asynchronous, in order on the stream
+
+
+def by_length(group: list[dict[str, np.ndarray]], pad_id: int, pin: bool) -> list[dict[str, torch.Tensor]]:
     """Micro-batches of rows -> as many micro-batches of the same sizes, of the same rows sorted by
     length (shortest first), each padded to its own longest row."""
     rows = {key: np.concatenate([batch[key] for batch in group]) for key in group[0]}
     order = np.argsort(np.fromiter(map(len, rows["input_ids"]), np.int64, len(rows["input_ids"])), kind="stable")
     ends = np.cumsum([len(batch["row"]) for batch in group])
-    return [collate({key: column[part] for key, column in rows.items()}, pad_id) for part in np.split(order, ends[:-1])]
+    return [collate({key: column[part] for key, column in rows.items()}, pad_id, pin) for part in np.split(order, ends[:-1])]
 
 
-def batches(split: str, micro_batch: int, cfg: TrainConfig, pad_id: int, epoch: int | None = None):
+def batches(split: str, micro_batch: int, cfg: TrainConfig, pad_id: int, pin: bool, epoch: int | None = None):
     """This worker's micro-batches of a split for one pass, `length_group_batches` at a time grouped by
     length. For an epoch of training, rows come from a seeded shuffle buffer and each group's batches
     go in an order drawn from (seed, epoch) alone: the same on every worker, so the workers' batches
@@ -162,17 +181,17 @@ def batches(split: str, micro_batch: int, cfg: TrainConfig, pad_id: int, epoch: 
     # Grouped here rather than by asking Ray for batches of the group's size: its shuffle buffer then
     # yielded a short batch mid-stream (22 micro-batches on one worker, 21 on the others).
     for group in iter(lambda: list(islice(drawn, cfg.length_group_batches)), []):
-        grouped = by_length(group, pad_id)  # every worker draws as many micro-batches, so as many per group
+        grouped = by_length(group, pad_id, pin)  # every worker draws as many micro-batches, so as many per group
         yield from grouped if order is None else (grouped[i] for i in order.permutation(len(grouped)))
 
 
 def logits_of(engine, batch: dict, device: torch.device) -> torch.Tensor:
-    return engine(input_ids=batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device)).logits
+    return engine(input_ids=on(device, batch["input_ids"]), attention_mask=on(device, batch["attention_mask"])).logits
 
 
 def forward(engine, batch: dict, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(mean loss over the batch's real rows, logits, labels); padding rows count for nothing."""
-    labels, logits = batch["labels"].to(device), logits_of(engine, batch, device)
+    labels, logits = on(device, batch["labels"]), logits_of(engine, batch, device)
     return mean_loss(logits, labels), logits, labels
 
 
@@ -226,7 +245,7 @@ class Replica:
         loss = self.engine.train_batch(iter([self.pipe_inputs(part, device) for part in step]))
         logits = self.head.logits if self.head else [None] * len(step)
         for part, part_logits in zip(step, logits, strict=True):
-            yield loss, part_logits, part["labels"].to(device)
+            yield loss, part_logits, on(device, part["labels"])
         if self.head:
             self.head.logits.clear()
 
@@ -241,7 +260,7 @@ class Replica:
 
     @staticmethod
     def pipe_inputs(batch: dict, device: torch.device) -> tuple:
-        return (batch["input_ids"].to(device), batch["attention_mask"].to(device)), batch["labels"].to(device)
+        return (on(device, batch["input_ids"]), on(device, batch["attention_mask"])), on(device, batch["labels"])
 
     def layers(self) -> list[torch.nn.Module]:
         """The encoder layers this worker holds (BERT-family models; none found for others)."""
@@ -287,7 +306,7 @@ def validate(engine, replica: Replica, spec: WorkerSpec, pad_id: int, device: to
     dropped by their row number (-1)."""
     engine.eval()
     local: list[tuple[int, float, int, int]] = []
-    for batch in batches("validation", spec.plan.micro_batch, spec.train, pad_id):
+    for batch in batches("validation", spec.plan.micro_batch, spec.train, pad_id, device.type == "cuda"):
         batch = replica.join(batch, pad_id)
         logits = replica.logits(batch, device)
         if not replica.leads:
@@ -316,7 +335,7 @@ def peak_memory_mb(device: torch.device) -> float:
         peak = torch.cuda.max_memory_allocated(device) / 2**20
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # Linux reports KiB
-    worst = torch.tensor([peak], dtype=torch.float64, device=device if device.type == "cuda" else "cpu")
+    worst = torch.tensor([peak], dtype=torch.float64, device=device)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     return worst.item()
 
@@ -329,7 +348,7 @@ def save(engine, progress: Progress, metrics: dict) -> None:
         ray.train.report(metrics, checkpoint=Checkpoint.from_directory(folder))
 
 
-def resume(engine) -> Progress:
+def resume(engine, channel: str | None) -> Progress:
     """Load the latest checkpoint Ray Train holds for this run (after a worker failure, a task
     retry or a re-run with the same run id) and return its progress, or the start of training."""
     checkpoint = ray.train.get_checkpoint()
@@ -338,18 +357,26 @@ def resume(engine) -> Progress:
     with checkpoint.as_directory() as folder:
         _, client_state = engine.load_checkpoint(folder, tag="state")
     progress = Progress.model_validate(client_state["progress"])
-    if dist.get_rank() == 0:
-        print(f"resumed at step {engine.global_steps}: epoch {progress.epoch + 1}, micro-batch {progress.batches_done}", flush=True)
+    if dist.get_rank() == 0 and channel is not None:
+        say(channel, logging.INFO, f"rank 0: resumed from the checkpoint at step {engine.global_steps}: epoch {progress.epoch + 1}, "
+                                   f"micro-batch {progress.batches_done}")
     return progress
 
 
 def export(replica: Replica, tokenizer, spec: WorkerSpec, result: Result) -> None:
     """Rank 0 writes the consolidated HF model folder straight into the run's storage (the driver
-    never downloads checkpoint shards); where the parameters are split every rank joins the gather."""
+    never downloads checkpoint shards); where the parameters are split every rank joins the gather.
+    The weights are saved in fp32 whatever the training precision: a bf16 or fp16 engine's weights
+    saved as they are would load as a bf16/fp16 model by default, 2.4x slower on a CPU (bf16), and
+    evaluation and inference choose their own precision at load."""
     model, weights = replica.exported()
     if dist.get_rank() == 0:
+        weights = {name: tensor.float() if tensor.is_floating_point() else tensor for name, tensor in (weights or model.state_dict()).items()}
+        config = copy.deepcopy(model.config)
+        config.dtype = torch.float32  # transformers takes the saved dtype from the module's parameters
         with tempfile.TemporaryDirectory() as folder:
             model.save_pretrained(folder, state_dict=weights)
+            config.save_pretrained(folder)
             tokenizer.save_pretrained(folder)
             Path(folder, STATE_FILE).write_text(result.model_dump_json())
             storage.upload_dir(folder, spec.model_uri)
@@ -366,7 +393,8 @@ def build_model(spec: WorkerSpec):
     zero_init = HfDeepSpeedConfig(spec.deepspeed) if partitioned else None  # noqa: F841 (kept alive)
     names = spec.label_names
     model = AutoModelForSequenceClassification.from_pretrained(
-        spec.model, num_labels=len(names), id2label=dict(enumerate(names)), label2id={name: i for i, name in enumerate(names)})
+        spec.model, num_labels=len(names), id2label=dict(enumerate(names)), label2id={name: i for i, name in enumerate(names)},
+        **hub_free(spec.model))
     last_layer_at_first_token(model)
     if spec.train.activation_checkpointing and spec.train.pipeline_parallel_size == 1:  # stages checkpoint their own
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -379,33 +407,67 @@ def param_groups(model) -> list[dict]:
     return [{"params": [p for _, p in named if p.ndim > 1]}, {"params": [p for _, p in named if p.ndim <= 1], "weight_decay": 0.0}]
 
 
-def setup(spec: WorkerSpec) -> tuple:
+def resolve_precision(spec: WorkerSpec, device: torch.device) -> WorkerSpec:
+    """precision=auto on a GPU (the driver cannot see it): bf16 where the hardware has it, else fp16."""
+    if spec.plan.precision == "auto":
+        precision = "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+        spec = spec.model_copy(update={"deepspeed": spec.deepspeed | {"bf16": spec.deepspeed["bf16"] | {"enabled": precision == "bf16"},
+                                                                      "fp16": spec.deepspeed["fp16"] | {"enabled": precision == "fp16"}}})
+    if spec.deepspeed["bf16"]["enabled"] and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise ValueError(f"precision=bf16 but {torch.cuda.get_device_name()} has no bf16: use fp16 or auto")
+    return spec
+
+
+def setup(spec: WorkerSpec, pulse: Pulse) -> tuple:
     """This worker's part: the process group, the tokenizer, the DeepSpeed engine and its replica."""
     import deepspeed  # imported in the worker: it probes the accelerator at import
 
     warnings.filterwarnings("ignore", category=FutureWarning)  # torch.distributed renames used by DeepSpeed
     deepspeed.utils.logger.setLevel(logging.WARNING)
     set_seed(spec.train.seed)
+    # The worker's CPU share (1 beside a GPU by default): the host side of a GPU step (collate, the
+    # Python loop) is single-threaded, and offloaded optimizer state steps on cpus_per_worker threads.
     torch.set_num_threads(max(1, int(spec.plan.cpus_per_worker)))
     device = ray.train.torch.get_device()
-    if spec.plan.precision == "auto":  # on GPU: bf16 where the hardware has it
-        precision = "bf16" if torch.cuda.is_bf16_supported() else "fp16"
-        spec = spec.model_copy(update={"deepspeed": spec.deepspeed | {"bf16": {"enabled": precision == "bf16"},
-                                                                      "fp16": {"enabled": precision == "fp16"}}})
-    if spec.deepspeed["bf16"]["enabled"] and device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        raise ValueError(f"precision=bf16 but {torch.cuda.get_device_name()} has no bf16: use fp16 or auto")
-    # DeepSpeed builds its shared-memory collective op at every init_distributed on CPU (~30 s of
-    # compile on a fresh machine) for DeepSpeed-Inference's all-reduce alone: training's collectives
-    # go through torch.distributed. Marked unavailable, it is not built (DeepSpeed keeps this dict).
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
-    tokenizer = AutoTokenizer.from_pretrained(spec.model)
+    spec = resolve_precision(spec, device)
+    pulse("joining the process group")
+    if device.type == "cpu":
+        # DeepSpeed builds its shared-memory collective op at every init_distributed on CPU (~30 s of
+        # compile on a fresh machine) for DeepSpeed-Inference's all-reduce alone: training's collectives
+        # go through torch.distributed. Marked unavailable, it is not built (DeepSpeed keeps this dict).
+        # Not on CUDA: there the op does not exist, and reading the dict runs DeepSpeed's op probe,
+        # which calls nvcc several times.
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    # Ray made the process group (TorchConfig's timeout); DeepSpeed's own groups (ZeRO, tensor and
+    # pipeline parallelism) get the same bound instead of its 30 minutes.
+    deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=spec.train.collective_timeout_s))
+    pulse("loading the tokenizer")
+    tokenizer = AutoTokenizer.from_pretrained(spec.model, **hub_free(spec.model))
     tokenizer.model_max_length = spec.max_length  # the exported tokenizer truncates as training did
+    pulse("loading the model")
     model = build_model(spec)
     stages = spec.train.pipeline_parallel_size
     module, names = pipeline.stages(model, stages, spec.train.activation_checkpointing) if stages > 1 else (model, None)
+    pulse("building the DeepSpeed engine")  # its first collective (broadcasting the weights) is NCCL's first connection
     engine, *_ = deepspeed.initialize(model=module, model_parameters=param_groups(module), config=spec.deepspeed)
     return engine, device, tokenizer, Replica(engine, spec.plan.accumulation, names, model.config)
+
+
+def engine_line(engine, device: torch.device, seconds: float) -> str:
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    precision = "bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else "fp32"
+    return f"rank 0: engine built on {device} ({name}), {precision}, ZeRO-{engine.zero_optimization_stage()}, in {seconds:.1f} s"
+
+
+def injected(fault: Fault | None, channel: str | None, step: int) -> None:
+    """The tests' fault, if this is its worker and step and it has not fired yet in this run."""
+    if fault is None or fault.step != step or dist.get_rank() != fault.rank:
+        return
+    if not internal_kv._internal_kv_put(f"{channel}fault", b"fired", overwrite=False, namespace=NAMESPACE):  # False: new key
+        if fault.hang_s:
+            time.sleep(fault.hang_s)
+            return
+        raise RuntimeError(f"injected fault at step {step}, at {time.time():.3f}")  # when, for the test to time its line
 
 
 def tick(point: Point, max_steps: int, samples_per_s: float) -> Tick:
@@ -415,6 +477,16 @@ def tick(point: Point, max_steps: int, samples_per_s: float) -> Tick:
 
 
 def train_worker(config: dict) -> None:
+    """A Ray Train worker: the spec, the driver's channel (tasks/progress.py) and the tests' hooks
+    from the config, then training, its heartbeats posted (the last one exactly, if it fails)."""
+    spec, channel = WorkerSpec.model_validate(config["spec"]), config.get("channel")
+    if config.get("check_devices"):
+        devices.check_collectives(ray.train.torch.get_device())
+    with Pulse(channel, ray.train.get_context().get_world_rank()).beating() as pulse:
+        run(spec, channel, pulse, Fault.model_validate(config["fault"]) if config.get("fault") else None)
+
+
+def run(spec: WorkerSpec, channel: str | None, pulse: Pulse, fault: Fault | None) -> None:
     """Epochs of micro-batches until the last epoch or max_steps, evaluating and checkpointing on the
     steps the config names and at every epoch's end; then rank 0 exports the model.
 
@@ -423,11 +495,12 @@ def train_worker(config: dict) -> None:
     ones: the order follows from the seed) and skipping them without computing on them. Nothing is
     trained twice; the dropout masks after the resume differ from an uninterrupted run's.
     """
-    started = time.perf_counter()
-    spec, ticks = WorkerSpec.model_validate(config["spec"]), config.get("ticks")  # ticks: a tasks/progress.py channel
-    cfg = spec.train
-    engine, device, tokenizer, replica = setup(spec)
-    progress, pad_id, meter = resume(engine), tokenizer.pad_token_id or 0, Meter(device)
+    started, cfg = time.perf_counter(), spec.train
+    engine, device, tokenizer, replica = setup(spec, pulse)
+    if dist.get_rank() == 0 and channel is not None:
+        say(channel, logging.INFO, engine_line(engine, device, time.perf_counter() - started))
+    pulse("resuming")
+    progress, pad_id, meter, pin = resume(engine, channel), tokenizer.pad_token_id or 0, Meter(device), device.type == "cuda"
     first_epoch, resumed_from, predictions, first_step_at = progress.epoch, engine.global_steps, None, None
     nodes: list[str] = [None] * dist.get_world_size()
     dist.all_gather_object(nodes, ray.get_runtime_context().get_node_id())
@@ -439,6 +512,7 @@ def train_worker(config: dict) -> None:
 
     def evaluate(position: float) -> None:
         nonlocal predictions
+        pulse("validating", engine.global_steps)
         loss, accuracy, predictions = validate(engine, replica, spec, pad_id, device)
         progress.curve.validation.append(Point(step=engine.global_steps, epoch=round(position, 4), loss=loss, accuracy=accuracy))
 
@@ -449,7 +523,8 @@ def train_worker(config: dict) -> None:
         done, trained, samples, paused, checkpoint_seconds = progress.batches_done, 0, 0, 0.0, []
         loss_sum = torch.zeros((), device=device)  # on the device: no sync per batch
         first_done = time.perf_counter()
-        for batch in islice(batches("train", spec.plan.micro_batch, cfg, pad_id, epoch), done, None):
+        pulse("waiting for the first batch", engine.global_steps)
+        for batch in islice(batches("train", spec.plan.micro_batch, cfg, pad_id, pin, epoch), done, None):
             rows = int((batch["labels"] != IGNORED).sum())  # this worker's, before its replica joins them
             steps_before = engine.global_steps
             for loss, logits, labels in replica.train(replica.join(batch, pad_id), device, cfg.activation_offload, alone):
@@ -464,14 +539,17 @@ def train_worker(config: dict) -> None:
             if engine.global_steps == steps_before:
                 continue
             step, position, pause_from = engine.global_steps, epoch + done / spec.batches_per_epoch, time.perf_counter()
+            pulse(TRAINING, step)
+            injected(fault, channel, step)
             if step % cfg.log_every_steps == 0:
                 progress.curve.train.append(meter.point(step, position))
-                if dist.get_rank() == 0 and ticks is not None:
-                    post(ticks, tick(progress.curve.train[-1], spec.max_steps, meter.rows_per_s))
+                if dist.get_rank() == 0 and channel is not None:
+                    post(channel, tick(progress.curve.train[-1], spec.max_steps, meter.rows_per_s))
             last = done == spec.batches_per_epoch or step >= spec.max_steps
             if cfg.eval_every_steps and step % cfg.eval_every_steps == 0 and not last:
                 evaluate(position)  # the epoch's end is evaluated below
             if cfg.checkpoint_every_steps and step % cfg.checkpoint_every_steps == 0 and not last:
+                pulse("checkpointing", step)
                 save(engine, progress.model_copy(update={"epoch": epoch, "batches_done": done}, deep=True),
                      {"epoch": position, "step": step})
                 checkpoint_seconds.append(time.perf_counter() - pause_from)
@@ -479,7 +557,7 @@ def train_worker(config: dict) -> None:
             if step >= spec.max_steps:
                 break
         elapsed = time.perf_counter() - first_done - paused
-        totals = torch.tensor([loss_sum.item(), trained, samples], dtype=torch.float64)
+        totals = torch.tensor([loss_sum.item(), trained, samples], dtype=torch.float64, device=device)
         dist.all_reduce(totals)
         whole = done == spec.batches_per_epoch  # else max_steps ended the run mid-epoch
         evaluate(epoch + done / spec.batches_per_epoch)
@@ -491,8 +569,10 @@ def train_worker(config: dict) -> None:
             startup_s=first_done - started if epoch == first_epoch else None,
             checkpoint_s=sum(checkpoint_seconds) / len(checkpoint_seconds) if checkpoint_seconds else None))
         progress = progress.model_copy(update={"epoch": epoch + 1 if whole else epoch, "batches_done": 0 if whole else done})
+        pulse("checkpointing", engine.global_steps)
         save(engine, progress, progress.history[-1].model_dump())
     if predictions is None:  # a re-run of a finished run trains nothing; its export still needs them
         predictions = validate(engine, replica, spec, pad_id, device)[2]
+    pulse("exporting the model", engine.global_steps)
     export(replica, tokenizer, spec, Result(history=progress.history, curve=progress.curve, validation_predictions=predictions, nodes=nodes,
                                             layer_parameter_mb=layer_parameter_mb(replica.layers()), first_step_at=first_step_at))

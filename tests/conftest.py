@@ -16,6 +16,9 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+# Every training worker of every test checks that each collective's tensor is on its training device
+# (tasks/devices.py): what NCCL demands, which gloo on a CPU would let pass.
+os.environ.setdefault("FTFLOW_TEST_CHECK_DEVICES", "1")
 
 sys.path.insert(0, str(Path(__file__).parent))
 

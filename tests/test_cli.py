@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
+import threading
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -19,10 +21,30 @@ from test_flow import params
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def ftflow(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+def ftflow(*args: str, timeout: float = 60, **env: str) -> subprocess.CompletedProcess:
     # The driver's own Prefect server and Ray, as from a terminal: none of the test session's.
-    env = {key: value for key, value in os.environ.items() if not key.startswith(("PREFECT_API", "RAY_ADDRESS"))}
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("PREFECT_API", "RAY_ADDRESS"))} | env
     return subprocess.run([FTFLOW, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture
+def model_hub():
+    """A stand-in for the Hugging Face hub that counts the connections made to it and answers none:
+    (HF_ENDPOINT, a function returning the count so far)."""
+    server, connections = socket.create_server(("127.0.0.1", 0)), []
+
+    def accept() -> None:
+        while True:
+            try:
+                connections.append(server.accept()[0])
+            except OSError:  # closed: the test is over
+                return
+
+    threading.Thread(target=accept, daemon=True).start()
+    yield f"http://127.0.0.1:{server.getsockname()[1]}", lambda: len(connections)
+    server.close()
+    for connection in connections:
+        connection.close()
 
 
 @pytest.mark.parametrize("args, line", [
@@ -52,11 +74,13 @@ def test_help_shows_every_field_with_its_description_and_params_writes_the_defau
     assert "# DeepSpeed ZeRO: 0 replicates the model" in written.stdout
 
 
-def test_a_run_shows_its_stages_on_a_quiet_console_then_its_champion_labels_a_corpus(tiny_model, small_data, tmp_path):
-    """ftflow's lines only, the full log in the run's folder; then `ftflow infer` with the champion."""
-    store = tmp_path / "store"
+def test_a_run_shows_its_stages_on_a_quiet_console_then_its_champion_labels_a_corpus(tiny_model, small_data, tmp_path, model_hub):
+    """ftflow's lines only, the full log in the run's folder; then `ftflow infer` with the champion.
+    Neither asks a model hub anything about a model folder, HF_HUB_OFFLINE unset as a user leaves it."""
+    store, (hub, asked) = tmp_path / "store", model_hub
+    online = {"HF_HUB_OFFLINE": "0", "HF_ENDPOINT": hub}
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params(tiny_model, small_data, str(store)).model_dump(mode="json")))
-    run = ftflow("run", "--params", str(tmp_path / "params.yaml"), "--set", "train.epochs=1", timeout=600)
+    run = ftflow("run", "--params", str(tmp_path / "params.yaml"), "--set", "train.epochs=1", timeout=600, **online)
     assert run.returncode == 0 and run.stderr == "", run.stdout + run.stderr
     lines = run.stdout.splitlines()
     for stage in ("tokenize", "train", "evaluate", "promote", "batch inference"):
@@ -68,7 +92,8 @@ def test_a_run_shows_its_stages_on_a_quiet_console_then_its_champion_labels_a_co
     assert re.search(r"Finished in state Completed", log.read_text()) and "train: 60 / 64 steps" in log.read_text()
 
     labelled = ftflow("infer", "models/sentiment@champion", str(small_data["test"]), str(tmp_path / "labels"),
-                      "--storage-root", str(store), "--actors", "1", timeout=600)
+                      "--storage-root", str(store), "--actors", "1", timeout=600, **online)
     assert labelled.returncode == 0 and labelled.stderr == "", labelled.stdout + labelled.stderr
     assert "✓ batch inference: " in labelled.stdout and f"predictions: {tmp_path / 'labels'}" in labelled.stdout
     assert pq.read_table(tmp_path / "labels").num_rows == len(read_jsonl(small_data["test"]))
+    assert asked() == 0

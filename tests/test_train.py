@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import logging
+import re
 import subprocess
 import sys
 import threading
@@ -22,7 +24,8 @@ from tasks.data import load_splits
 from tasks.tokenize import load_tokenizer, tokenize, tokenize_key
 from tasks.train import train
 from tasks.predictor import padded
-from tasks.train_worker import STATE_FILE, EpochRecord, Result
+from tasks.train import FAULT
+from tasks.train_worker import STATE_FILE, EpochRecord, Fault, Result
 
 LABELS = ["negative", "positive"]
 
@@ -154,6 +157,68 @@ def test_killed_worker_resumes_from_the_last_checkpoint(tokenized, tiny_model):
     assert [point.step for point in curve.validation] == [100, 128, 200, 256, 300, 384]
     assert all(0 <= point.accuracy <= 1 and point.loss > 0 for point in curve.train + curve.validation)
     assert curve.validation[-1].accuracy == history[-1].val_accuracy
+
+
+@pytest.fixture
+def said():
+    """The training task's log records as they come: (Unix time, level, message)."""
+    records: list[tuple[float, int, str]] = []
+
+    class Said(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append((record.created, record.levelno, record.getMessage()))
+
+    handler, logger = Said(), logging.getLogger("prefect.task_runs")
+    logger.addHandler(handler)
+    yield records
+    logger.removeHandler(handler)
+
+
+def test_a_failed_worker_is_said_at_once_and_retried_from_its_checkpoint(tokenized, tiny_model, monkeypatch, said):
+    root, uris = tokenized
+    monkeypatch.setenv(FAULT, Fault(step=15, rank=1).model_dump_json())
+    cfg = TrainConfig(epochs=1, max_steps=20, batch_size=16, num_workers=2, checkpoint_every_steps=10, max_failures=1)
+    trained = fit(uris, tiny_model, cfg, Path(root) / "runs" / "failed-once")
+
+    [(at, level, line)] = [record for record in said if "failed" in record[2]]
+    raised_at = re.fullmatch(r"training worker 1 failed at step 15 \(training\): RuntimeError: injected fault at step 15, at ([\d.]+); "
+                             r"retrying from step 10, attempt 2 of 2", line)
+    assert level == logging.WARNING and raised_at, line
+    assert at - float(raised_at[1]) < 10
+    assert any(message.startswith("rank 0: resumed from the checkpoint at step 10") for _, _, message in said)
+    assert (trained.history[-1].step, trained.history[-1].resumed_from_step) == (20, 10)
+
+
+def test_the_last_failed_attempt_fails_with_the_workers_own_exception(tokenized, tiny_model, monkeypatch, said):
+    root, uris = tokenized
+    monkeypatch.setenv(FAULT, Fault(step=3, rank=0).model_dump_json())
+    cfg = TrainConfig(epochs=1, max_steps=10, batch_size=16, num_workers=2, max_failures=0)
+    with pytest.raises(RuntimeError) as failed:
+        fit(uris, tiny_model, cfg, Path(root) / "runs" / "failed")
+    assert re.fullmatch(r"injected fault at step 3, at [\d.]+", str(failed.value))
+    assert [message for _, _, message in said if "failed" in message] == [
+        next(message for _, _, message in said if message.startswith("training worker 0 failed at step 3 (training): RuntimeError: "
+                                                                      "injected fault at step 3") and message.endswith("; no attempt left of 1: training fails"))]
+
+
+def test_a_stalled_run_writes_a_stall_report_and_says_where_it_is(tokenized, tiny_model, monkeypatch, said):
+    """A worker that hangs: within stall_warning_s the report is written and one warning names the
+    phase and the top stack frame; the run goes on once the worker does."""
+    root, uris = tokenized
+    run_dir = Path(root) / "runs" / "stalled"
+    monkeypatch.setenv(FAULT, Fault(step=5, rank=0, hang_s=15).model_dump_json())
+    cfg = TrainConfig(epochs=1, max_steps=10, batch_size=16, num_workers=2, stall_warning_s=4)
+    trained = fit(uris, tiny_model, cfg, run_dir)
+
+    # (Workers slower to start than stall_warning_s, as here, have a report of their own.)
+    [line] = [message for _, level, message in said if level == logging.WARNING and "no progress" in message and "'training'" in message]
+    assert re.match(r"training has shown no progress for \d+ s: rank [01] is in 'training' at step 5, top frame \S+ ", line), line
+    report = Path(re.search(r"stall report: (\S+) ", line)[1])
+    assert report.parent == run_dir / "stall"
+    stacks = {path.name: path.read_text() for path in report.rglob("*") if path.is_file()}
+    assert any("injected" in text for name, text in stacks.items() if "rank 0" in name or "rank-0" in name), sorted(stacks)
+    assert any("rank 1" in name or "rank-1" in name for name in stacks), sorted(stacks)
+    assert trained.history[-1].step == 10
 
 
 def test_max_steps_bounds_a_run_and_a_rerun_continues_it(tokenized, tiny_model):
