@@ -1,0 +1,44 @@
+"""The driver's stall watch on its own clock: when a silence counts as a stall (tasks/watch.py)."""
+
+from __future__ import annotations
+
+import logging
+
+from tasks import watch
+from tasks.progress import Beat
+
+
+def test_a_stall_is_judged_by_the_recent_step_time_once_steps_flow(monkeypatch, caplog, tmp_path):
+    now = [0.0]
+    monkeypatch.setattr(watch.time, "monotonic", lambda: now[0])
+    reports = []
+    monkeypatch.setattr(watch.stall, "report", lambda folder, workers, stuck: reports.append((workers, stuck)) or "all_reduce (c10d.py:1)")
+    dog = watch.Watchdog(logging.getLogger("ftflow.test"), str(tmp_path), stall_warning_s=None)
+
+    def heard(at: float, phase: str, step: int = 0) -> None:
+        now[0] = at
+        dog({0: Beat(rank=0, phase=phase, step=step, node_id="n", pid=7)})
+
+    heard(0, "loading the model")
+    heard(299, "loading the model")  # before steps flow: 5 minutes of silence are allowed
+    assert not reports
+    for second in range(1, 11):  # then 10 steps a second
+        heard(300 + second, watch.TRAINING, step=10 * second)
+    heard(310 + 29, watch.TRAINING, step=100)  # 20 x 0.1 s is below the 30 s floor
+    assert not reports
+    with caplog.at_level(logging.WARNING):
+        heard(310 + 31, watch.TRAINING, step=100)
+        heard(310 + 60, watch.TRAINING, step=100)  # the same stall: reported once
+    [(workers, stuck)] = reports
+    assert stuck == workers[0] and (stuck.what, stuck.pid) == ("rank 0", 7)
+    [line] = caplog.messages
+    assert line.startswith("training has shown no progress for 31 s: rank 0 is in 'training' at step 100, top frame all_reduce (c10d.py:1); "
+                           f"stall report: {tmp_path}/stall/")
+
+    heard(400, watch.TRAINING, step=101)  # progress again; then a slower model's 5 s steps allow 100 s
+    for second in range(1, 4):
+        heard(400 + 5 * second, watch.TRAINING, step=101 + second)
+    heard(415 + 99, watch.TRAINING, step=104)
+    assert len(reports) == 1
+    heard(415 + 101, watch.TRAINING, step=104)
+    assert len(reports) == 2
