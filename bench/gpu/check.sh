@@ -1,0 +1,94 @@
+#!/bin/bash
+# ftflow on one GPU beside plain baselines, on a bare GPU machine (python3 3.12 with torch and
+# transformers, no Ray, DeepSpeed or Prefect, nothing kept between commands), with the site that
+# build_site.sh made carried along in .gpu/:
+#   bash bench/gpu/check.sh        # from the project root; ends by CHECK_DEADLINE_S (520 s) + ~20 s
+# `ftflow doctor`, then ftflow at its defaults and at ZeRO-2/3 (batch 256), a plain bf16 loop and the HF
+# Trainer on the same rows and model, `ftflow infer` on 100k rows beside a plain GPU loop. Everything it
+# prints, each step's output and each run's log, stall reports and manifest go to $OUT (else /tmp/out);
+# the summary at the end has one line per measurement, each naming the card.
+set -uo pipefail
+T0=$(date +%s)
+here=$(cd "$(dirname "$0")" && pwd); R=$(cd "$here/../.." && pwd); cd "$R" || exit 2
+S=/tmp/site; O=${OUT:-/tmp/out}; mkdir -p "$O"; RES=$O/results.txt; : > "$RES"
+exec > >(tee "$O/check.txt") 2>&1
+DEADLINE=${CHECK_DEADLINE_S:-520}  # a step killed at its limit may take ~20 s more (SIGINT, then SIGKILL 15 s later)
+el(){ echo $(( $(date +%s) - T0 )); }
+log(){ echo "[$(el)s] $*"; }
+result(){ echo "$*" >> "$RES"; echo "$*"; }
+# Seconds a step may run: its own cap, less what the steps after it keep (reserve), before the deadline.
+allow(){ local t=$(( DEADLINE - $(el) - $2 )); (( t > $1 )) && t=$1; echo "$t"; }
+quiet(){ grep -vE "logging\.cc|━|^\s*@|^\s*$" "$@"; }  # Ray's C++ stack lines filled a killed run's whole tail
+stop_ray(){ python3 -m ray.scripts.scripts stop --force >/dev/null 2>&1; }  # a run killed at its limit leaves Ray holding the GPU
+
+[ -f .gpu/site.tar.xz ] || { echo "no .gpu/site.tar.xz: build it here with 'bash bench/gpu/build_site.sh', carry .gpu"; exit 2; }
+[ -f $S/.done ] || { rm -rf $S && mkdir -p $S && xz -T0 -dc .gpu/site.tar.xz | tar -xf - -C $S && touch $S/.done; } \
+  || { echo "unpacking .gpu/site.tar.xz failed"; exit 2; }
+export PYTHONPATH=$S:$R PATH=$S/bin:$PATH PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 \
+  PREFECT_SERVER_ANALYTICS_ENABLED=false TORCH_EXTENSIONS_DIR=/tmp/torch_extensions
+log "site unpacked"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+CARD=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+python3 -c "import platform; from importlib.metadata import version as v
+print('python', platform.python_version(), *(f'{p} {v(p)}' for p in ('torch', 'ray', 'deepspeed', 'prefect', 'transformers')))"
+rev=$(git rev-parse --short HEAD 2>/dev/null) && { git diff --quiet HEAD 2>/dev/null || rev+=" + uncommitted changes"; }
+echo "ftflow at ${rev:-a commit this copy does not say (no .git)}"
+
+log "ftflow doctor"; t1=$(date +%s)
+timeout -s INT -k 10 120 python3 -m flows.cli doctor --storage-root /tmp/art > "$O/doctor.txt" 2>&1; rc=$?
+quiet "$O/doctor.txt" | tail -30
+result "RESULT ftflow doctor: exit $rc$( ((rc == 124)) && echo ' (killed at 120 s)'), $(( $(date +%s) - t1 )) s"
+stop_ray
+
+[ -d /tmp/bert ] || python3 bench/gpu/make_model.py /tmp/bert bench/gpu/tok base | tail -1   # no weights fit in the carry
+log "model made"
+
+# A stall report (every worker's stack, the GPUs) under the run's stall/ when no step shows for 45 s.
+STALL=(); grep -q "stall_warning_s" tasks/config.py && STALL=(--set train.stall_warning_s=45)
+# ftflow run NAME CAP TRAIN_S ARGS...: the run's limit is CAP (keeping 90 s for the baselines after the
+# runs), training's own train.timeout_s TRAIN_S. A working run: ~30-60 s of start-up, the epoch (~17 s of
+# compute on an H100 at batch 32), evaluation, batch inference of the test split and the report.
+ft(){ local name=$1 cap=$2 train_s=$3; shift 3
+  local t; t=$(allow "$cap" 90)
+  if (( t < 60 )); then result "RESULT ftflow $name: skipped, $(( DEADLINE - $(el) )) s left"; return; fi
+  (( train_s > t - 40 )) && train_s=$(( t - 40 ))
+  log "ftflow $name: limit $t s, train.timeout_s=$train_s, $*"
+  touch "$O/.mark"; local t1; t1=$(date +%s)
+  timeout -s INT -k 15 "$t" python3 -m flows.cli run --set model.name_or_path=/tmp/bert --set storage_root=/tmp/art \
+    --set train.timeout_s="$train_s" "${STALL[@]}" "$@" > "$O/$name.txt" 2>&1
+  local rc=$? secs=$(( $(date +%s) - t1 ))
+  log "$name: exit $rc after $secs s"; quiet "$O/$name.txt" | tail -12
+  local run; run=$(find /tmp/art/runs -mindepth 1 -maxdepth 1 -type d -newer "$O/.mark" 2>/dev/null | head -1)
+  if [ -n "$run" ]; then
+    mkdir -p "$O/$name"; cp -r "$run/logs" "$run/stall" "$run/manifest.json" "$run/report/report.md" "$O/$name/" 2>/dev/null
+    local f; f=$(ls -t "$O/$name"/logs/*.log 2>/dev/null | head -1)
+    [ -n "$f" ] && { echo "--- $name: the last lines of its log"; quiet "$f" | tail -"${LOG_TAIL:-15}"; }
+  fi
+  result "$(python3 bench/gpu/summary.py "$name" "${run:-none}" "$rc" "$secs")"
+  stop_ray; }
+ft default 200 120
+ft zero2-b256 170 100 --set train.zero_stage=2 --set train.batch_size=256
+ft zero3-b256 170 100 --set train.zero_stage=3 --set train.batch_size=256
+
+t=$(allow 150 0); log "plain bf16 loop and HF Trainer, batches 32 and 256: limit $t s"
+if (( t >= 30 )); then
+  timeout -k 10 "$t" python3 bench/gpu/baselines.py /tmp/bert data/rotten_tomatoes/train.jsonl 32,256 > "$O/baselines.txt" 2>&1
+  grep "^RESULT" "$O/baselines.txt" >> "$RES"; grep "^RESULT" "$O/baselines.txt" || tail -5 "$O/baselines.txt"
+else result "RESULT baselines: skipped, $(( DEADLINE - $(el) )) s left"; fi
+
+m=$(ls -td /tmp/art/runs/*/model 2>/dev/null | head -1); t=$(allow 100 30)
+if [ -z "$m" ]; then result "RESULT ftflow infer: skipped, no run exported a model"
+elif (( t < 45 )); then result "RESULT ftflow infer: skipped, $(( DEADLINE - $(el) )) s left"
+else
+  python3 bench/gpu/corpus.py data/rotten_tomatoes/train.jsonl /tmp/corpus 100000 16
+  log "ftflow infer, 100,000 rows: limit $t s"; t1=$(date +%s)
+  timeout -s INT -k 10 "$t" python3 -m flows.cli infer "$m" /tmp/corpus /tmp/preds --device gpu --batch-size 256 > "$O/infer.txt" 2>&1
+  rc=$?; secs=$(( $(date +%s) - t1 )); quiet "$O/infer.txt" | tail -6
+  result "RESULT ftflow infer, batch 256: $(grep -oP '^rows/s:\s*\K[\d,]+' "$O/infer.txt" || echo '-') rows/s (its job), 100,000 rows, $secs s wall with start-up, exit $rc"
+  stop_ray; t=$(allow 60 0)
+  if (( t >= 20 )); then timeout -k 5 "$t" python3 bench/gpu/infer_base.py "$m" /tmp/corpus 2>&1 | grep "^RESULT" | tee -a "$RES"
+  else result "RESULT plain GPU inference loop: skipped, $(( DEADLINE - $(el) )) s left"; fi
+fi
+
+log "summary, $CARD"
+awk -v card="$CARD" '{ sub(/^RESULT /, card " | "); print }' "$RES"
