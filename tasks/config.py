@@ -110,6 +110,14 @@ class ModelConfig(Strict):
     name_or_path: str = Field(default_factory=default_model, description="HF model id or folder.")
     max_length: int = Field(128, ge=8, le=4096, description="Tokens kept per text.")
 
+    @field_validator("name_or_path")
+    @classmethod
+    def _folder_absolute(cls, name_or_path: str) -> str:
+        """A folder named relative to where ftflow runs, as the absolute path: Ray's workers run in
+        folders of their own, where a relative path names nothing and reads as a hub id."""
+        folder = Path(name_or_path).expanduser()
+        return str(folder.resolve()) if folder.is_dir() else name_or_path
+
 
 # The fields strategy=auto sets (tasks/strategy.py).
 AUTO_CHOOSES = ("zero_stage", "offload_optimizer", "offload_params", "tensor_parallel_size", "pipeline_parallel_size")

@@ -140,3 +140,11 @@ def test_strategy_auto_owns_what_it_chooses():
         TrainConfig(memory_per_worker_gb=4)
     form = TrainConfig(strategy="auto").model_dump()  # what the UI's form sends: every field, defaults included
     assert TrainConfig.model_validate(form).strategy == "auto"
+
+
+def test_a_model_folder_given_relative_is_passed_on_absolute(tiny_model, monkeypatch):
+    """Ray's workers run in folders of their own: there a relative path names nothing, and would be
+    taken for a hub id; a hub id stays as it is."""
+    monkeypatch.chdir(tiny_model.parent)
+    assert ModelConfig(name_or_path=tiny_model.name).name_or_path == str(tiny_model)
+    assert ModelConfig(name_or_path="bert-base-uncased").name_or_path == "bert-base-uncased"
