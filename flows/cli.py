@@ -6,6 +6,7 @@
     ftflow stack up|down                                     the local stack (infra/local/stack.py)
     ftflow deploy --pool NAME [--image IMAGE]                the deployments, on a work pool
     ftflow new-data TRAIN_URI                                the retraining deployment's "new data" event
+    ftflow doctor [--ray-address ADDR] [--storage-root ROOT] what a run needs, checked in about a minute
 
 Parameters are validated as the Prefect form validates them (the same pydantic models), before any
 cluster work. Bad input is one line and exit code 2; any other failure one line and exit code 1;
@@ -29,7 +30,8 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from flows import console
-from tasks.config import PROJECT_ROOT, FinetuneParams, InferenceConfig, one_line
+from tasks.config import PROJECT_ROOT, FinetuneParams, InferenceConfig, default_storage_root, one_line
+from tasks.config import first_line as config_first_line
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="rich", pretty_exceptions_enable=False,
                   help="Fine-tune Hugging Face classifiers and label corpora with them: Prefect + Ray + DeepSpeed.")
@@ -260,6 +262,29 @@ def deploy(
     register(*deployments(), work_pool_name=pool, image=image, build=False, push=False, ignore_warnings=True)
 
 
+@app.command()
+def doctor(
+    ray_address: Annotated[str | None, typer.Option(help=about("ray_address", FinetuneParams))] = None,
+    storage_root: Annotated[str | None, typer.Option(help="The storage root to check; default: FTFLOW_STORAGE_ROOT or ./artifacts.")] = None,
+    verbose: Verbose = False,
+    debug: Debug = False,
+) -> None:
+    """Check what a run needs, in about a minute: the Ray cluster, one DeepSpeed step and an all-reduce on
+    its devices, bf16, DeepSpeed's CPU Adam op, storage, the Prefect API. One line per check; exit code 1
+    if one fails."""
+    from tasks import doctor as checks  # Ray and the ML stack load only now
+
+    styles = {"pass": "green", "warn": "yellow", "skip": "dim", "fail": "red"}
+    with console.session(verbose) as say:
+
+        def show(check: checks.Check) -> None:  # no markup: a detail may hold [brackets]
+            say.console.print(check.line(), style=styles[check.outcome], markup=False, highlight=False, soft_wrap=True)
+
+        passed = checks.run(ray_address, storage_root or default_storage_root(), show)
+    if not passed:
+        raise typer.Exit(1)
+
+
 def command_name(argv: list[str]) -> str:
     return " ".join(["ftflow", *[a for a in argv[:1] if not a.startswith("-")]])
 
@@ -268,9 +293,8 @@ def main(argv: list[str] | None = None) -> None:
     """The console script: errors as one line (exit 2 for bad input, 1 otherwise) unless --debug."""
     argv = sys.argv[1:] if argv is None else argv
     try:
-        typer.main.get_group(app).main(argv, prog_name="ftflow", standalone_mode=False)
-    except typer.Exit as done:
-        sys.exit(done.exit_code)
+        # Not standalone, click returns a typer.Exit's code (a command's, --help's) rather than exiting with it.
+        exit_code = typer.main.get_group(app).main(argv, prog_name="ftflow", standalone_mode=False)
     except (typer.Abort, KeyboardInterrupt):
         sys.exit(130)
     except click.exceptions.NoArgsIsHelpError:  # the help is printed: a usage error with nothing more to say
@@ -285,13 +309,11 @@ def main(argv: list[str] | None = None) -> None:
         else:
             console.error(f"{command_name(argv)}: {first_line(error)}" + ("" if bad else f" ({type(error).__name__}; --debug for the traceback)"))
         sys.exit(2 if bad else 1)
+    sys.exit(exit_code)
 
 
 def first_line(error: Exception) -> str:
-    if isinstance(error, ValidationError):
-        return one_line(error)
-    lines = str(error).strip().splitlines()
-    return lines[0] if lines else type(error).__name__
+    return one_line(error) if isinstance(error, ValidationError) else config_first_line(error)
 
 
 if __name__ == "__main__":

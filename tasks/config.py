@@ -76,6 +76,12 @@ class Strict(BaseModel):
         return given
 
 
+def first_line(error: BaseException) -> str:
+    """An error's message as one line, for a person: its first line, or its type where it has none."""
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else type(error).__name__
+
+
 def one_line(error: ValidationError) -> str:
     """A parameter error as one line per problem, each naming where: `train: unknown parameter 'epoch':
     did you mean 'epochs'?` rather than pydantic's block with a documentation link."""

@@ -407,6 +407,25 @@ def param_groups(model) -> list[dict]:
     return [{"params": [p for _, p in named if p.ndim > 1]}, {"params": [p for _, p in named if p.ndim <= 1], "weight_decay": 0.0}]
 
 
+def join_process_group(device: torch.device, timeout_s: float) -> None:
+    """DeepSpeed's view of the process group Ray made (with TorchConfig's timeout); DeepSpeed's own
+    groups (ZeRO, tensor and pipeline parallelism) get the same bound instead of its 30 minutes."""
+    import deepspeed
+
+    if device.type == "cpu":
+        # DeepSpeed builds its shared-memory collective op at every init_distributed on CPU (~30 s of
+        # compile on a fresh machine) for DeepSpeed-Inference's all-reduce alone: training's collectives
+        # go through torch.distributed. Marked unavailable, it is not built (DeepSpeed keeps this dict).
+        # Not on CUDA: there the op does not exist, and reading the dict runs DeepSpeed's op probe,
+        # which calls nvcc several times.
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=timeout_s))
+
+
+def precision_of(engine) -> str:
+    return "bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else "fp32"
+
+
 def resolve_precision(spec: WorkerSpec, device: torch.device) -> WorkerSpec:
     """precision=auto on a GPU (the driver cannot see it): bf16 where the hardware has it, else fp16."""
     if spec.plan.precision == "auto":
@@ -431,16 +450,7 @@ def setup(spec: WorkerSpec, pulse: Pulse) -> tuple:
     device = ray.train.torch.get_device()
     spec = resolve_precision(spec, device)
     pulse("joining the process group")
-    if device.type == "cpu":
-        # DeepSpeed builds its shared-memory collective op at every init_distributed on CPU (~30 s of
-        # compile on a fresh machine) for DeepSpeed-Inference's all-reduce alone: training's collectives
-        # go through torch.distributed. Marked unavailable, it is not built (DeepSpeed keeps this dict).
-        # Not on CUDA: there the op does not exist, and reading the dict runs DeepSpeed's op probe,
-        # which calls nvcc several times.
-        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    # Ray made the process group (TorchConfig's timeout); DeepSpeed's own groups (ZeRO, tensor and
-    # pipeline parallelism) get the same bound instead of its 30 minutes.
-    deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=spec.train.collective_timeout_s))
+    join_process_group(device, spec.train.collective_timeout_s)
     pulse("loading the tokenizer")
     tokenizer = AutoTokenizer.from_pretrained(spec.model, **hub_free(spec.model))
     tokenizer.model_max_length = spec.max_length  # the exported tokenizer truncates as training did
@@ -455,8 +465,7 @@ def setup(spec: WorkerSpec, pulse: Pulse) -> tuple:
 
 def engine_line(engine, device: torch.device, seconds: float) -> str:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    precision = "bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else "fp32"
-    return f"rank 0: engine built on {device} ({name}), {precision}, ZeRO-{engine.zero_optimization_stage()}, in {seconds:.1f} s"
+    return f"rank 0: engine built on {device} ({name}), {precision_of(engine)}, ZeRO-{engine.zero_optimization_stage()}, in {seconds:.1f} s"
 
 
 def injected(fault: Fault | None, channel: str | None, step: int) -> None:

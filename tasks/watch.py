@@ -19,6 +19,7 @@ import ray
 from ray.train import UserCallback
 
 from tasks import stall, storage
+from tasks.config import first_line
 from tasks.progress import Beat, beat, last_beat, periodically, say
 
 BEAT_EVERY_S = 1.0  # how often a worker's heartbeat is posted, when it changed
@@ -27,11 +28,6 @@ BEAT_EVERY_S = 1.0  # how often a worker's heartbeat is posted, when it changed
 # the next Parquet block may take many steps' time without anything being wrong.
 START_S, FLOOR_S, STEPS = 300.0, 30.0, 20
 TRAINING = "training"
-
-
-def first_line(error: BaseException) -> str:
-    lines = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
 
 
 def own(error: BaseException) -> BaseException:
@@ -86,7 +82,7 @@ class FailureRelay(UserCallback):
         where = f" at step {last.step} ({last.phase})" if last else ""
         then = (f"retrying from step {self.checkpoint_step}, attempt {self.failures + 1} of {self.attempts}"
                 if self.failures < self.attempts else f"no attempt left of {self.attempts}: training fails")
-        say(self.channel, logging.WARNING, f"training worker {rank} failed{where}: {first_line(own(error))}; {then}")
+        say(self.channel, logging.WARNING, f"training worker {rank} failed{where}: {type(own(error)).__name__}: {first_line(own(error))}; {then}")
 
 
 class Watchdog:
