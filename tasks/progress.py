@@ -3,8 +3,9 @@
 a progress artifact's percentage (tasks/live.py) and a bar in the `ftflow` console (flows/console.py),
 from this process or from a Ray Job's log (tasks/jobs.py carries ticks on the wire).
 
-Ray workers post ticks on a channel (relayed/post) that the stage's driver drains: Ray Train returns
-nothing to the driver until it ends. This module imports no Prefect.
+Ray workers post ticks, lines (say) and heartbeats (beat) on a channel (relayed) that the stage's
+driver drains: Ray Train returns nothing to the driver until it ends. tasks/watch.py builds training's
+heartbeats, failure lines and stall watch on it. This module imports no Prefect.
 """
 
 from __future__ import annotations

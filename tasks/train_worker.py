@@ -37,9 +37,9 @@ import ray.train.torch
 import torch
 import torch.distributed as dist
 from pydantic import BaseModel
+from ray.experimental import internal_kv
 from ray.train import Checkpoint
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, set_seed
-from ray.experimental import internal_kv
 from transformers.integrations.deepspeed import HfDeepSpeedConfig
 
 from tasks import devices, pipeline, storage
