@@ -167,7 +167,7 @@ def by_length(group: list[dict[str, np.ndarray]], pad_id: int, pin: bool) -> lis
     return [collate({key: column[part] for key, column in rows.items()}, pad_id, pin) for part in np.split(order, ends[:-1])]
 
 
-def batches(split: str, micro_batch: int, cfg: TrainConfig, pad_id: int, pin: bool, epoch: int | None = None):
+def batches(split: str, micro_batch: int, cfg: TrainConfig, pad_id: int, epoch: int | None = None, *, pin: bool = False):
     """This worker's micro-batches of a split for one pass, `length_group_batches` at a time grouped by
     length. For an epoch of training, rows come from a seeded shuffle buffer and each group's batches
     go in an order drawn from (seed, epoch) alone: the same on every worker, so the workers' batches
@@ -306,7 +306,7 @@ def validate(engine, replica: Replica, spec: WorkerSpec, pad_id: int, device: to
     dropped by their row number (-1)."""
     engine.eval()
     local: list[tuple[int, float, int, int]] = []
-    for batch in batches("validation", spec.plan.micro_batch, spec.train, pad_id, device.type == "cuda"):
+    for batch in batches("validation", spec.plan.micro_batch, spec.train, pad_id, pin=device.type == "cuda"):
         batch = replica.join(batch, pad_id)
         logits = replica.logits(batch, device)
         if not replica.leads:
@@ -533,7 +533,7 @@ def run(spec: WorkerSpec, channel: str | None, pulse: Pulse, fault: Fault | None
         loss_sum = torch.zeros((), device=device)  # on the device: no sync per batch
         first_done = time.perf_counter()
         pulse("waiting for the first batch", engine.global_steps)
-        for batch in islice(batches("train", spec.plan.micro_batch, cfg, pad_id, pin, epoch), done, None):
+        for batch in islice(batches("train", spec.plan.micro_batch, cfg, pad_id, epoch, pin=pin), done, None):
             rows = int((batch["labels"] != IGNORED).sum())  # this worker's, before its replica joins them
             steps_before = engine.global_steps
             for loss, logits, labels in replica.train(replica.join(batch, pad_id), device, cfg.activation_offload, alone):
