@@ -27,6 +27,10 @@ EXTENSIONS = {".jsonl": "jsonl", ".json": "jsonl", ".csv": "csv", ".tsv": "tsv",
 SHOWN_ROWS = 5  # rows (or files) quoted in an error message
 CHUNK_ROWS = 10_000  # rows in memory at once per reader of a split's file
 PIECE_BYTES = 8 << 20  # the most of one file a worker task is given: pieces are what tasks balance
+# UTF-8, with or without the byte-order mark that spreadsheets and many Windows tools write first:
+# read as utf-8, pandas' JSON reader took it for a value ("Expected object or value at position 0").
+# Only a file's first piece starts with it; the content hash still reads the bytes as they are.
+TEXT_ENCODING = "utf-8-sig"
 
 
 class DataError(ValueError):
@@ -127,10 +131,10 @@ def iter_frames(uri: str, fmt: str = "auto", chunk_rows: int = 50_000, piece: Pi
                 yield batch.to_pandas()
         elif fmt == "jsonl":
             lines = io.BufferedReader(_Lines(f, piece.start, piece.stop), 1 << 20) if piece else f
-            yield from pd.read_json(lines, lines=True, dtype=False, chunksize=chunk_rows)
+            yield from pd.read_json(lines, lines=True, dtype=False, chunksize=chunk_rows, encoding=TEXT_ENCODING)
         else:
             sep = "\t" if fmt == "tsv" else ","
-            yield from pd.read_csv(f, sep=sep, dtype=str, keep_default_na=False, chunksize=chunk_rows)
+            yield from pd.read_csv(f, sep=sep, dtype=str, keep_default_na=False, chunksize=chunk_rows, encoding=TEXT_ENCODING)
 
 
 def numbered(pieces: list[Piece], fmt: str = "auto") -> list[Piece]:

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import codecs
+import hashlib
+
 import pandas as pd
 import pytest
 
 from conftest import BUCKET, write_jsonl
 from tasks import data, storage
 from tasks.config import DataConfig
-from tasks.data import CHUNK_ROWS, DataError, Split, labelled_frames, load_split, load_splits, unlabelled_files
+from tasks.data import CHUNK_ROWS, DataError, Split, iter_frames, labelled_frames, load_split, load_splits, unlabelled_files
 
 ROWS = [{"text": "a fine film", "label": 1}, {"text": "a dull film", "label": 0}, {"text": "great", "label": 1}]
 
@@ -55,6 +58,28 @@ def test_reads_from_s3(s3_endpoint, tmp_path):
     storage.filesystem(uri)[0].put_file(str(path), uri)
     split = load_split("train", uri, DataConfig())
     assert split.uris == (uri,) and rows_of(split)["label"].tolist() == [1, 0, 1]
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_a_utf8_byte_order_mark_is_read_as_if_absent(tmp_path, monkeypatch, request, where):
+    """Spreadsheets and many Windows tools start a file with one: as a labelled split and as files to
+    label, read in byte-range pieces (the mark is in the first only). The content hash keeps it."""
+    monkeypatch.setattr(data, "PIECE_BYTES", 300)
+    rows = pd.DataFrame({"text": [f"review {i}" for i in range(60)], "label": [i % 2 for i in range(60)]})
+    for fmt in ("jsonl", "csv"):
+        path = write(rows, tmp_path / f"train.{fmt}", fmt)
+        path.write_bytes(codecs.BOM_UTF8 + path.read_bytes())
+        uri = str(path)
+        if where == "s3":
+            request.getfixturevalue("s3_endpoint")
+            uri = f"s3://{BUCKET}/bom-test/{path.name}"
+            storage.filesystem(uri)[0].put_file(str(path), uri)
+        split = load_split("train", uri, DataConfig())
+        assert len(split.pieces) == (1 if fmt == "csv" else 7)
+        assert rows_of(split)[["text", "label"]].reset_index(drop=True).equals(rows)
+        assert split.sha256 == hashlib.sha256(path.read_bytes()).hexdigest()
+        assert unlabelled_files(uri, "text", None) == [uri]
+        assert pd.concat([frame for piece in split.pieces for frame in iter_frames(uri, piece=piece)])["text"].tolist() == rows["text"].tolist()
 
 
 def mixed_split(folder, rows: list[dict]) -> tuple[list[str], pd.DataFrame]:
