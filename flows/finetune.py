@@ -13,7 +13,8 @@ from tasks.infer import predict_files
 from tasks.manifest import write_manifest
 from tasks.progress import RUN_DIR
 from tasks.reaper import reap_on_exit
-from tasks.registry import champion_pointer, promote
+from tasks.promote import promote
+from tasks.registry import champion_pointer
 from tasks.report import Stopwatch, publish_report
 from tasks.storage import RunStore, check_writable, refuse_overlap
 from tasks.tokenize import load_tokenizer, tokenize, tokenize_key

@@ -247,6 +247,9 @@ class PromotionConfig(Strict):
                                  description="Registry entry: <storage_root>/models/<name>/champion; batch_infer takes models/<name>@champion.")
     metric: Literal["accuracy", "macro_f1"] = Field("accuracy", description="Test metric compared with the champion's, on the same test split.")
     margin: float = Field(0.0, ge=-1, le=1, description="Promote when metric >= champion's + margin (negative: accept a small loss).")
+    min_score: float | None = Field(None, ge=0, le=1, description="The least test metric a model needs to be promoted, champion or "
+                                                                  "not. Default: more than always predicting the test split's majority "
+                                                                  "class scores (a model that learned nothing scores exactly that).")
 
 
 class FinetuneParams(Strict):

@@ -1,6 +1,6 @@
 """ftflow's Prefect events: what deployments (deployments/definitions.py) are triggered by.
 
-    ftflow.model.promoted   a run's model became its registry entry's champion (tasks/registry.py):
+    ftflow.model.promoted   a run's model became its registry entry's champion (tasks/promote.py):
                             resource ftflow.model.<name>; payload model_uri, metric, score, run_id, storage_root
     ftflow.data.arrived     new training data is there (`ftflow new-data URI`, or any emitter of the event):
                             resource ftflow.data.<name>; payload train_uri

@@ -21,6 +21,7 @@ from tasks.data import Split
 from tasks.evaluate import confusion_markdown
 from tasks.manifest import versions
 from tasks.progress import STAGE
+from tasks.promote import verdict
 from tasks.retries import RETRY_TRANSIENT
 from tasks.storage import RunStore
 
@@ -91,10 +92,9 @@ def link(uri: str, under: str = "") -> str:
 
 
 def summary(metrics: dict, promotion: dict) -> list[str]:
-    name = promotion["model_name"]
-    verdict = f"**promoted** to champion of `{name}`" if promotion["promoted"] else f"**not promoted**: `{name}`'s champion stays"
     return [f"Test accuracy **{metrics['accuracy']:.4f}**, macro F1 **{metrics['macro_f1']:.4f}** "
-            f"on {metrics['rows']} rows.", "", f"Promotion: {verdict} ({promotion['reason']}).", ""]
+            f"on {metrics['rows']} rows.", "", f"Promotion: **{verdict(promotion)}** ({promotion['reason']}).", "",
+            f"Promotion floor: {promotion['floor']}.", ""]
 
 
 def metric_rows(training: dict, metrics: dict, promotion: dict) -> list[dict]:

@@ -89,7 +89,7 @@ def check_report(run_dir: str, manifest: dict) -> None:
     metrics = manifest["metrics"]
     assert f"Test accuracy **{metrics['test']['accuracy']:.4f}**" in text
     assert f"| test | macro_f1 | {round(metrics['test']['macro_f1'], 4)} |" in text
-    assert "Promotion: **promoted** to champion of `sentiment` (no champion yet)" in text
+    assert "Promotion: **promoted to champion of `sentiment`** (no champion yet)" in text
     assert "| train | 2048 |" in text and manifest["outputs"]["model"] in text and "| batch inference |" in text
     for name in ("training.png", "confusion-matrix.png"):
         stored = storage.join(report, name)

@@ -10,19 +10,27 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
+from pathlib import Path
+
 import pyarrow.parquet as pq
 import pytest
+import torch
 from mlflow import MlflowClient
-
 from prefect import flow
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, FlowRunFilter, FlowRunFilterId
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from flows.batch_infer import batch_infer
 from flows.finetune import finetune
 from conftest import BUCKET, free_port
-from tasks import registry, storage
+from tasks import storage
 from tasks.config import DataConfig, FinetuneParams, PromotionConfig
 from tasks.data import load_splits
-from tasks.registry import champion_pointer, promote, resolve
+from tasks.evaluate import score
+from tasks.promote import promote
+from tasks.registry import champion_pointer, resolve
+from tasks.report import summary as report_summary
 from tasks.storage import MARKER, RunStore
 from tasks.tracking import track
 from test_flow import params
@@ -45,7 +53,7 @@ def test_a_model_that_loses_leaves_the_champion_untouched(ray_cluster, tiny_mode
     assert decision["champion"] == pytest.approx(first["test_accuracy"]), "the champion is scored on the same test split"
     assert "< the champion's" in decision["reason"] and decision["previous_champion_uri"] == f"{first['run_dir']}/model"
     report = (tmp_path / "store" / "runs" / second["run_id"] / "report" / "report.md").read_text()
-    assert f"Promotion: **not promoted**: `rt`'s champion stays ({decision['reason']})" in report
+    assert f"Promotion: **not promoted to champion of `rt`** ({decision['reason']})" in report
 
     # Both runs side by side in MLflow (the default store under the storage root), as a person compares them.
     client = MlflowClient(f"sqlite:///{root}/mlflow.db")
@@ -67,7 +75,7 @@ def test_a_model_that_loses_leaves_the_champion_untouched(ray_cluster, tiny_mode
 def test_the_champion_is_scored_again_only_on_a_test_split_other_than_its_own(ray_cluster, tiny_model, small_data, tmp_path):
     """Its score recorded at promotion stands for the same rows read the same way; other rows, or the
     same bytes with other label names, score it again."""
-    root, cfg = str(tmp_path / "store"), PromotionConfig(model_name="rt")
+    root, cfg = str(tmp_path / "store"), PromotionConfig(model_name="rt", min_score=0)  # made-up scores: no floor
     splits = load_splits(DataConfig(train_uri=str(small_data["train"]), validation_uri=str(small_data["validation"]),
                                     test_uri=str(small_data["test"])))
     promote(str(tiny_model), {"accuracy": 0.123}, splits["test"], cfg, root, "first")  # a score it never had: recorded
@@ -78,8 +86,51 @@ def test_the_champion_is_scored_again_only_on_a_test_split_other_than_its_own(ra
     assert promote("challenger", {"accuracy": 0.1}, relabelled, cfg, root, "relabelled")["champion"] != 0.123
 
 
+def test_a_model_that_predicts_one_class_is_not_promoted_even_to_an_empty_entry(ray_cluster, tiny_model, tmp_path):
+    """What a model that learned nothing scores, always predicting the majority class: under the
+    default floor. The decision, the artifact and the report say which floor applied."""
+    model = one_class_model(tiny_model, tmp_path / "one-class")
+    test = load_splits(DataConfig())["test"]  # the shipped split: 533 of each class
+    metrics = score(str(model), test)
+    assert (metrics["accuracy"], round(metrics["macro_f1"], 4)) == (0.5, 0.3333)
+    root = str(tmp_path / "store")
+
+    @flow
+    def gate(cfg: PromotionConfig) -> dict:
+        return promote(str(model), metrics, test, cfg, root, "one-class")
+
+    state = gate(PromotionConfig(model_name="rt"), return_state=True)
+    decision = state.result()
+    floor = "accuracy > 0.5000, the score of always predicting the test split's majority class 'negative' (promotion.min_score unset)"
+    assert not decision["promoted"] and not storage.exists(champion_pointer(root, "rt"))
+    assert decision["reason"] == f"accuracy 0.5000 is not above the floor: {floor}" and decision["floor"] == floor
+    [artifact] = artifacts_of(state.state_details.flow_run_id, "promotion")
+    assert f"not promoted to champion of `rt` ({decision['reason']})" in artifact and f"Floor: {floor}." in artifact
+    assert f"Promotion floor: {floor}." in report_summary(metrics, decision)
+    assert gate(PromotionConfig(model_name="rt", min_score=0.5))["promoted"], "an explicit floor is reached, not beaten"
+
+
+def one_class_model(model: Path, folder: Path) -> Path:
+    """The model, with a classifier that says 'negative' whatever the text."""
+    one_class = AutoModelForSequenceClassification.from_pretrained(model, id2label=dict(enumerate(DataConfig().label_names)))
+    with torch.no_grad():
+        one_class.classifier.weight.zero_()
+        one_class.classifier.bias.copy_(torch.tensor([1.0, -1.0]))
+    one_class.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(model).save_pretrained(folder)
+    return folder
+
+
+def artifacts_of(flow_run_id, key: str) -> list[str]:
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])),
+                                      flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+    return [artifact.data for artifact in found]
+
+
 def test_an_unknown_champion_is_refused_with_where_it_was_looked_for(tmp_path):
-    with pytest.raises(ValueError, match=f"models/nobody@champion: no champion at {tmp_path}/models/nobody/champion"):
+    with pytest.raises(ValueError, match=f"^model_uri models/nobody@champion: the registry entry 'nobody' under {tmp_path} has "
+                                         f"no champion yet \\(no {tmp_path}/models/nobody/champion\\)"):
         resolve("models/nobody@champion", str(tmp_path))
     assert resolve(str(tmp_path / "a-model"), str(tmp_path)) == str(tmp_path / "a-model")
 
@@ -90,7 +141,7 @@ def test_two_promotions_racing_from_the_same_champion_exactly_one_wins(store, ra
     root = str(tmp_path / "store") if store == "local" else f"s3://{BUCKET}/race-{uuid.uuid4().hex[:8]}"
     test = load_splits(DataConfig(train_uri=str(small_data["train"]), validation_uri=str(small_data["validation"]),
                                   test_uri=str(small_data["test"])))["test"]
-    cfg = PromotionConfig(model_name="rt")
+    cfg = PromotionConfig(model_name="rt", min_score=0)  # made-up scores: no floor
     assert promote(str(tiny_model), {"accuracy": 0.5}, test, cfg, root, "first")["promoted"]
     # Both challengers read the champion before either goes on: both compare with the same, soon stale,
     # champion, and both would beat it. (The barrier is on the read: scoring takes turns in one process.)
