@@ -8,10 +8,10 @@ from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 from pydantic import Field
 
+from tasks.checks import inference_model
 from tasks.config import DEVICE, INFERENCE_PRECISION, WINDOW_ROWS, Device, InferenceConfig, InferencePrecision, default_storage_root
 from tasks.infer import predict_files
 from tasks.reaper import reap_on_exit
-from tasks.registry import resolve
 from tasks.report import Stopwatch, publish_inference_report
 
 
@@ -37,7 +37,7 @@ def batch_infer(
 ) -> dict:
     """Label every row of the input files (files, directories or globs; local or s3://) with model_uri."""
     reap_on_exit()  # this process's Prefect server and local Ray end with it, even if it is killed
-    resolved = resolve(model_uri, storage_root or default_storage_root())
+    resolved = inference_model(model_uri, storage_root or default_storage_root())  # before any cluster work
     cfg = InferenceConfig(input_uri=input_uri, text_column=text_column, id_column=id_column, batch_size=batch_size,
                           window_rows=window_rows, actors=actors, device=device, precision=precision, wait_for_actors_s=wait_for_actors_s,
                           timeout_s=timeout_s)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import logging
 import sys
 import traceback
 from pathlib import Path
@@ -145,6 +144,10 @@ def run(
 ) -> None:
     """Fine-tune, evaluate, promote and label: the finetune flow, on the embedded defaults unless told."""
     params = finetune_params(params_file, assignments)
+    from tasks.checks import run_inputs  # the flow's own checks of the data, model and storage, before anything starts
+    from tasks.storage import RunStore
+
+    run_inputs(params, RunStore(params.storage_root, params.run_id) if params.run_id else None)
     from flows.finetune import finetune  # Prefect and the ML stack load only once the input is good
 
     with console.session(verbose) as say:
@@ -182,27 +185,16 @@ def infer(
 ) -> None:
     """Label every row of INPUT with MODEL: the batch_infer flow; Parquet (id, text, label, score) in OUTPUT."""
     given = {name: value for name, value in locals().items() if name not in ("verbose", "debug") and value is not None}
+    given["input_uri"] = input_uri if len(input_uri) > 1 else input_uri[0]
+    cfg = InferenceConfig.model_validate({name: value for name, value in given.items() if name in InferenceConfig.model_fields})
+    from tasks.checks import inference_inputs, inference_model  # the flow's own checks, before anything starts
+
+    inference_inputs(inference_model(model_uri, storage_root or default_storage_root()), cfg, output_uri)
     from flows.batch_infer import batch_infer  # Prefect and the ML stack load only now
 
-    parameters = checked_infer_parameters(batch_infer, {**given, "input_uri": input_uri if len(input_uri) > 1 else input_uri[0]})
     with console.session(verbose) as say:
-        result = batch_infer(**parameters)
+        result = batch_infer(**given)
         say.result({"rows": f"{result['rows']:,}", "rows/s": f"{result['rows_per_s']:,.0f}", "predictions": output_uri})
-
-
-def checked_infer_parameters(flow, given: dict) -> dict:
-    """The flow's parameters validated as a run validates them, or one line per problem."""
-    from prefect.exceptions import ParameterTypeError
-
-    flows_logger = logging.getLogger("prefect.flows")
-    flows_logger.disabled = True  # Prefect logs the whole dump too: the one line below is the message
-    try:
-        return flow.validate_parameters(given)
-    except ParameterTypeError as error:
-        problems = [line.removeprefix(" - ") for line in str(error).splitlines()[1:]]
-        raise BadInput("; ".join(problems)) from None
-    finally:
-        flows_logger.disabled = False
 
 
 @stack_app.command()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 import tempfile
 import time
@@ -32,6 +33,7 @@ from tasks.progress import RUN_DIR, STAGE, TICK, Tick
 PREFECT_CODE = str(Path(find_spec("prefect").origin).parent)
 RUN_LOGGERS = ("prefect.flow_runs", "prefect.task_runs")  # where a run's records go, whoever logs them
 ERRORS: Console | None = None  # once output is redirected: the terminal's stderr
+ESCAPE_CODE = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]")  # ANSI CSI: colours, cursor moves
 
 
 class Say:
@@ -85,7 +87,7 @@ class Terminal(logging.Handler):
             self.console.print(Text(f"{'▶' if event == 'start' else '✓'} {record.getMessage()}", style="bold"))
         else:
             style = {logging.WARNING: "yellow", logging.ERROR: "red"}.get(record.levelno, "dim")
-            self.console.print(Text(f"  {record.getMessage()}", style=style))
+            self.console.print(Text(f"  {plain(record.getMessage())}", style=style))
 
     def moved(self, tick: Tick) -> None:
         if tick.stage not in self.stage_bars:
@@ -111,7 +113,13 @@ def redirect(log_file: Path) -> Console:
 
 def error(text: str) -> None:
     """An error's line (or --debug's traceback) on the terminal's stderr, redirected or not."""
-    (ERRORS or Console(stderr=True, highlight=False, soft_wrap=True)).print(text, style="red", markup=False)
+    (ERRORS or Console(stderr=True, highlight=False, soft_wrap=True)).print(plain(text), style="red", markup=False)
+
+
+def plain(text: str) -> str:
+    """text without terminal escape codes: Ray colours names in its errors' messages
+    (`\x1b[36mray::MapWorker(...)\x1b[39m`), which a log, a pipe or a screen reader shows as is."""
+    return ESCAPE_CODE.sub("", text)
 
 
 @contextmanager

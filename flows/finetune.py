@@ -6,20 +6,19 @@ from prefect import flow, get_run_logger
 from prefect.context import FlowRunContext
 
 from tasks import cluster
+from tasks.checks import run_inputs
 from tasks.config import FinetuneParams
-from tasks.data import load_splits, unlabelled_files
 from tasks.evaluate import evaluate
 from tasks.infer import predict_files
 from tasks.manifest import write_manifest
 from tasks.progress import RUN_DIR
 from tasks.reaper import reap_on_exit
 from tasks.promote import promote
-from tasks.registry import champion_pointer
 from tasks.report import Stopwatch, publish_report
-from tasks.storage import RunStore, check_writable, refuse_overlap
+from tasks.storage import RunStore, refuse_overlap
 from tasks.tokenize import load_tokenizer, tokenize, tokenize_key
 from tasks.tracking import track
-from tasks.train import check_parallelism, train
+from tasks.train import check_parallelism, check_training_plan, train
 
 
 def new_run_id() -> str:
@@ -37,44 +36,38 @@ def finetune(params: FinetuneParams = FinetuneParams()) -> dict:
     logger = get_run_logger()
     took = Stopwatch(logger)
     store = RunStore(params.storage_root, params.run_id or new_run_id())
-    splits = load_splits(params.data)  # bad input stops here, before Ray or storage are touched
+    inputs = run_inputs(params, store)  # bad input stops here, before Ray (`ftflow run` checked it before Prefect started)
     check_parallelism(params.train, params.model)
-    inference = params.inference.model_copy(update={"input_uri": params.inference.input_uri or list(splits["test"].uris),
-                                                     "text_column": params.inference.text_column or params.data.text_column})
-    to_label = unlabelled_files(inference.input_uri, inference.text_column, inference.id_column)  # and the files to label
-    key = tokenize_key(splits, load_tokenizer(params.model.name_or_path), params.model.max_length, params.storage_root)
-    check_writable(params.storage_root, "storage_root")
-    store.check()  # and outputs that would overwrite what ftflow did not write, or anything it reads
-    refuse_overlap([store.base, key.target, champion_pointer(params.storage_root, params.promotion.model_name)],
-                   [*params.inputs(), *(uri for split in splits.values() for uri in split.uris)])
-    read = {**{f"data.{name}": list(split.uris) for name, split in splits.items()}, "inference.input_uri": to_label}
-    cluster.refuse_local_paths({"storage_root": [params.storage_root], **read}, params.storage_shared, params.ray_address)
+    key = tokenize_key(inputs.splits, load_tokenizer(params.model.name_or_path), params.model.max_length, params.storage_root)
+    refuse_overlap([key.target], inputs.read(params))
+    cluster.refuse_local_paths({"storage_root": [params.storage_root], **inputs.by_field()}, params.storage_shared, params.ray_address)
+    check_training_plan(params.model, params.data.label_names, params.train, params.ray_address)  # against the cluster, before tokenizing
     logger.info("run %s in %s", store.run_id, store.base, extra={RUN_DIR: store.base})
 
     with took("tokenize"):
         tokenized = tokenize.with_options(refresh_cache=not key.shards_exist())(
-            key, splits, params.model.name_or_path, params.ray_address)
+            key, inputs.splits, params.model.name_or_path, params.ray_address)
     with took("train"):
         training = train.with_options(timeout_seconds=params.train.timeout_s)(tokenized, params.model, params.data.label_names, params.train, store.base, params.ray_address)
     with took("evaluate"):
-        metrics = evaluate(store.model_dir, splits["test"], store.metrics, params.ray_address)
+        metrics = evaluate(store.model_dir, inputs.splits["test"], store.metrics, params.ray_address)
     with took("promote"):
-        promotion = promote(store.model_dir, metrics, splits["test"], params.promotion, params.storage_root, store.run_id,
+        promotion = promote(store.model_dir, metrics, inputs.splits["test"], params.promotion, params.storage_root, store.run_id,
                             params.ray_address)
     with took("batch inference"):
-        predictions = predict_files.with_options(timeout_seconds=inference.timeout_s)(store.model_dir, inference, store.predictions, params.ray_address)
+        predictions = predict_files.with_options(timeout_seconds=inputs.inference.timeout_s)(store.model_dir, inputs.inference, store.predictions, params.ray_address)
 
     took.fixed_costs(training.first_step_at)
     config = params.model_dump(mode="json")
     outputs = {"tokenized": tokenized, "checkpoints": store.train_dir, "model": store.model_dir, "metrics": store.metrics,
                "predictions": predictions, "report": store.report, "manifest": store.manifest}
     results = {"test": metrics, "training": training.model_dump(include={"history", "curve", "nodes", "strategy"}), "promotion": promotion}
-    publish_report(store, config, splits, outputs, results, took.seconds)
+    publish_report(store, config, inputs.splits, outputs, results, took.seconds)
     write_manifest(
         store.manifest,
         config=config,
         cluster=training.cluster,
-        data={"splits": {n: {"uris": list(s.uris), "sha256": s.sha256, "rows": s.total_rows} for n, s in splits.items()},
+        data={"splits": {n: {"uris": list(s.uris), "sha256": s.sha256, "rows": s.total_rows} for n, s in inputs.splits.items()},
               "tokenize_key": key.model_dump()},
         outputs=outputs,
         metrics=results,

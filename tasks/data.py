@@ -23,6 +23,7 @@ import pyarrow.parquet as pq
 from tasks import storage
 from tasks.config import DataConfig
 
+SPLITS = ("train", "validation", "test")
 EXTENSIONS = {".jsonl": "jsonl", ".json": "jsonl", ".csv": "csv", ".tsv": "tsv", ".parquet": "parquet", ".pq": "parquet"}
 SHOWN_ROWS = 5  # rows (or files) quoted in an error message
 CHUNK_ROWS = 10_000  # rows in memory at once per reader of a split's file
@@ -329,7 +330,7 @@ def load_split(name: str, uris: str | list[str], cfg: DataConfig) -> Split:
 
 
 def load_splits(cfg: DataConfig) -> dict[str, Split]:
-    splits = {name: load_split(name, getattr(cfg, f"{name}_uri"), cfg) for name in ("train", "validation", "test")}
+    splits = {name: load_split(name, getattr(cfg, f"{name}_uri"), cfg) for name in SPLITS}
     if len(splits["train"].classes) < 2:
         only = cfg.label_names[next(iter(splits["train"].classes))]
         raise DataError(f"{shown(splits['train'].uris)}: the training split has a single class ('{only}'); it needs at least two")

@@ -17,7 +17,8 @@ from ray.data import DataContext
 
 from tasks import cluster, jobs, storage
 from tasks.config import InferenceConfig
-from tasks.data import cut, numbered, rows_per_byte, unlabelled_files
+from tasks.checks import inference_inputs
+from tasks.data import cut, numbered, rows_per_byte
 from tasks.labeller import Labeller
 from tasks.live import Tracked
 from tasks.progress import Tick, log_tick, periodically
@@ -57,7 +58,7 @@ class Progress:
 def predict_files(model_uri: str, cfg: InferenceConfig, output_uri: str, ray_address: str | None = None) -> dict:
     """Label every row of every file cfg.input_uri names; Parquet (id, text, label, score) at
     output_uri, complete once output_uri/_SUCCESS.json exists (rows, input and model fingerprints)."""
-    checked_inputs(model_uri, cfg, output_uri)  # bad input stops here, before any cluster work
+    inference_inputs(model_uri, cfg, output_uri)  # bad input stops here, before any cluster work
     with Tracked("batch-inference-progress", "Batch inference: % of the rows labelled (estimated until every part is read)") as progress:
         result = jobs.run(labelled, ray_address, progress, model_uri=model_uri, cfg=cfg, output_uri=output_uri)
     create_table_artifact(
@@ -68,23 +69,11 @@ def predict_files(model_uri: str, cfg: InferenceConfig, output_uri: str, ray_add
     return result
 
 
-def checked_inputs(model_uri: str, cfg: InferenceConfig, output_uri: str) -> list[str]:
-    """The input files; refused: none, one that cannot be read or lacks the text or id column, an
-    output among the inputs or the model, an output folder holding files ftflow did not write."""
-    if cfg.input_uri is None:
-        raise ValueError("input_uri: no files to label")
-    files = unlabelled_files(cfg.input_uri, cfg.text_column or "text", cfg.id_column)
-    storage.refuse_overlap([output_uri], [model_uri, *([cfg.input_uri] if isinstance(cfg.input_uri, str) else cfg.input_uri), *files])
-    storage.check_writable(output_uri, "output_uri")
-    storage.OutputFolder(output_uri).check()
-    return files
-
-
 def labelled(model_uri: str, cfg: InferenceConfig, output_uri: str) -> dict:
     """The stage's Ray work (tasks/jobs.py runs it where the cluster is): the inputs as the cluster
     sees them, cut into parts, then one Ray Data pipeline of model actors, each labelling a part per
     call (tasks/labeller.py)."""
-    files = checked_inputs(model_uri, cfg, output_uri)
+    files = inference_inputs(model_uri, cfg, output_uri)
     text_column, output = cfg.text_column or "text", storage.OutputFolder(output_uri)
     sizes = {uri: storage.size(uri) for uri in files}  # once: for the actors and the parts
     resources = cluster.Resources.of_cluster()

@@ -18,7 +18,6 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from pydantic import BaseModel
-from ray.experimental import internal_kv  # Ray's own GCS key-value store (Ray Serve and Train use it too)
 
 NAMESPACE = "ftflow-ticks"  # of Ray's key-value store
 TICK = "ftflow_tick"  # the log record attribute holding a Tick
@@ -103,9 +102,9 @@ def relayed(log: logging.Logger, watch: Callable[[dict[int, Beat]], None] | None
     channel = f"{uuid.uuid4().hex}/"
 
     def drain() -> None:
-        for key in sorted(internal_kv._internal_kv_list(channel + TICKS, namespace=NAMESPACE)):
+        for key in sorted(kv()._internal_kv_list(channel + TICKS, namespace=NAMESPACE)):
             log_tick(log, Tick.model_validate_json(taken(key)))
-        for key in sorted(internal_kv._internal_kv_list(channel + LINES, namespace=NAMESPACE)):
+        for key in sorted(kv()._internal_kv_list(channel + LINES, namespace=NAMESPACE)):
             line = Line.model_validate_json(taken(key))
             log.log(line.level, line.text)
         if watch is not None:
@@ -115,37 +114,46 @@ def relayed(log: logging.Logger, watch: Callable[[dict[int, Beat]], None] | None
         with periodically(drain, DRAIN_EVERY_S, last=True):
             yield channel
     finally:
-        for key in internal_kv._internal_kv_list(channel, namespace=NAMESPACE):  # the last beats
-            internal_kv._internal_kv_del(key, namespace=NAMESPACE)
+        for key in kv()._internal_kv_list(channel, namespace=NAMESPACE):  # the last beats
+            kv()._internal_kv_del(key, namespace=NAMESPACE)
+
+
+def kv():
+    """Ray's own GCS key-value store (Ray Serve and Train use it too), imported when first used: the
+    `ftflow` command's console reads this module's records, and refuses bad input, before it needs Ray
+    (importing it took 0.4 s of a 1.4 s refusal)."""
+    from ray.experimental import internal_kv
+
+    return internal_kv
 
 
 def taken(key: bytes) -> bytes:
-    value = internal_kv._internal_kv_get(key, namespace=NAMESPACE)
-    internal_kv._internal_kv_del(key, namespace=NAMESPACE)
+    value = kv()._internal_kv_get(key, namespace=NAMESPACE)
+    kv()._internal_kv_del(key, namespace=NAMESPACE)
     return value
 
 
 def values(prefix: str) -> list[bytes]:
-    keys = internal_kv._internal_kv_list(prefix, namespace=NAMESPACE)
-    return [value for key in keys if (value := internal_kv._internal_kv_get(key, namespace=NAMESPACE)) is not None]
+    keys = kv()._internal_kv_list(prefix, namespace=NAMESPACE)
+    return [value for key in keys if (value := kv()._internal_kv_get(key, namespace=NAMESPACE)) is not None]
 
 
 def post(channel: str, tick: Tick) -> None:
     """From a Ray worker: a tick for the driver that opened the channel (keys sort in order of `done`)."""
-    internal_kv._internal_kv_put(f"{channel}{TICKS}{tick.done:015.3f}", tick.model_dump_json(), namespace=NAMESPACE)
+    kv()._internal_kv_put(f"{channel}{TICKS}{tick.done:015.3f}", tick.model_dump_json(), namespace=NAMESPACE)
 
 
 def say(channel: str, level: int, text: str) -> None:
     """From a Ray worker or actor: one line for the driver's log, at `level` (keys sort in time order)."""
     line = Line(level=level, text=text)
-    internal_kv._internal_kv_put(f"{channel}{LINES}{time.time():017.6f}-{uuid.uuid4().hex[:6]}", line.model_dump_json(), namespace=NAMESPACE)
+    kv()._internal_kv_put(f"{channel}{LINES}{time.time():017.6f}-{uuid.uuid4().hex[:6]}", line.model_dump_json(), namespace=NAMESPACE)
 
 
 def beat(channel: str, heartbeat: Beat) -> None:
     """From a Ray worker: its latest heartbeat, replacing the one before."""
-    internal_kv._internal_kv_put(f"{channel}{BEATS}{heartbeat.rank:06d}", heartbeat.model_dump_json(), namespace=NAMESPACE)
+    kv()._internal_kv_put(f"{channel}{BEATS}{heartbeat.rank:06d}", heartbeat.model_dump_json(), namespace=NAMESPACE)
 
 
 def last_beat(channel: str, rank: int) -> Beat | None:
-    value = internal_kv._internal_kv_get(f"{channel}{BEATS}{rank:06d}", namespace=NAMESPACE)
+    value = kv()._internal_kv_get(f"{channel}{BEATS}{rank:06d}", namespace=NAMESPACE)
     return None if value is None else Beat.model_validate_json(value)

@@ -15,9 +15,8 @@ import pyarrow.parquet as pq
 from tokenizers import Tokenizer
 
 from tasks import storage
-from tasks.data import Piece, Schema, Split, labelled_frames
+from tasks.data import SPLITS, Piece, Schema, Split, labelled_frames
 
-SPLITS = ("train", "validation", "test")
 SHARD_BYTES = 256 << 20  # the most input one task tokenizes into one Parquet file
 SHARD_SCHEMA = pa.schema({"row": pa.int64(), "label": pa.int64(), "input_ids": pa.list_(pa.int32())})
 

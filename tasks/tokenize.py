@@ -14,7 +14,6 @@ import hashlib
 import json
 import os
 from contextlib import AbstractContextManager
-from pathlib import Path
 
 import ray
 from prefect import get_client, get_run_logger, task
@@ -28,6 +27,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from tasks import cluster, jobs, storage
 from tasks.config import hub_free
+from tasks.checks import training_model
 from tasks.data import Split
 from tasks.live import Tracked
 from tasks.predictor import truncating
@@ -70,11 +70,7 @@ class TokenizeKey(BaseModel):
 def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
     """The model's fast tokenizer, or what is wrong with the model in one line: transformers' own
     words for a folder that is not there are "Repo id must be in the form 'repo_name' or ..."."""
-    folder = Path(name_or_path).expanduser()
-    if folder.is_dir() and not (folder / "config.json").exists():
-        raise ValueError(f"model.name_or_path {name_or_path}: a folder without config.json, not a saved Hugging Face model")
-    if not folder.is_dir() and (folder.is_absolute() or name_or_path.startswith((".", "~")) or name_or_path.count("/") > 1):
-        raise ValueError(f"model.name_or_path {name_or_path}: no such folder")
+    training_model(name_or_path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(name_or_path, **hub_free(name_or_path))
     except (OSError, ValueError) as error:  # a hub id that is not in the local cache, or not on the hub

@@ -12,7 +12,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.dataset
 import ray
-from prefect import task
+from prefect import get_run_logger, task
 from ray.data import DataContext
 from ray.train import CheckpointConfig, ControllerError, DataConfig, FailureConfig, RunConfig, ScalingConfig, WorkerGroupError
 from ray.train.v2._internal.constants import HEALTH_CHECK_INTERVAL_S_ENV_VAR, WORKER_GROUP_START_TIMEOUT_S_ENV_VAR
@@ -275,15 +275,32 @@ def train(tokenized: dict[str, str], model: ModelConfig, label_names: list[str],
         return jobs.run(fit, ray_address, progress, tokenized=tokenized, model=model, label_names=label_names, cfg=cfg, run_dir=run_dir)
 
 
+def planned(model: ModelConfig, label_names: list[str], cfg: TrainConfig) -> tuple[TrainConfig, strategy.Choice | None, Plan]:
+    """The config as it trains (strategy=auto resolved), why, and its plan on this cluster; or what to change."""
+    check_parallelism(cfg, model)
+    resources = cluster.Resources.of_cluster()
+    cfg, choice = resolved(cfg, model, len(label_names), resources)
+    return cfg, choice, plan(cfg, resources)
+
+
+def check_plan(model: ModelConfig, label_names: list[str], cfg: TrainConfig) -> None:
+    """check_training_plan's Ray work (tasks/jobs.py runs it where the cluster is)."""
+    planned(model, label_names, cfg)
+
+
+@task
+def check_training_plan(model: ModelConfig, label_names: list[str], cfg: TrainConfig, ray_address: str | None = None) -> None:
+    """Refuse a plan this cluster cannot run (workers, parallel sizes, device, precision) before the
+    run tokenizes: at training's start it came after tokenization (27 s here)."""
+    jobs.run(check_plan, ray_address, get_run_logger(), model=model, label_names=label_names, cfg=cfg)
+
+
 def fit(tokenized: dict[str, str], model: ModelConfig, label_names: list[str], cfg: TrainConfig, run_dir: str) -> Result:
     """The stage's Ray work (tasks/jobs.py runs it where the cluster is): plan, then Ray Train."""
     logger = jobs.log
-    check_parallelism(cfg, model)  # refuse what cannot run before any worker starts
-    resources = cluster.Resources.of_cluster()
-    cfg, choice = resolved(cfg, model, len(label_names), resources)
+    cfg, choice, the_plan = planned(model, label_names, cfg)  # refuse what cannot run before any worker starts
     if choice:
         logger.info("strategy=auto: %s", choice.reason)
-    the_plan = plan(cfg, resources)
     train_rows, train_count = split(tokenized["train"], the_plan.workers)
     validation_rows, _ = split(tokenized["validation"], the_plan.workers)
     batches_per_epoch = math.ceil((train_count + -train_count % the_plan.workers) / the_plan.workers / the_plan.micro_batch)

@@ -82,9 +82,14 @@ def test_an_id_column_names_the_rows(ray_cluster, tiny_model, corpus, tmp_path):
     assert sorted(table["id"]) == sorted(f"d{i}" for i in range(100))
 
 
-def test_missing_input_is_refused_before_ray(tiny_model, tmp_path):
+def test_missing_input_or_model_is_refused_before_ray(tiny_model, tmp_path):
+    """As a run from the UI or the on-promotion deployment meets them: in the flow, before any cluster work."""
     with pytest.raises(DataError, match="no input files found"):
         batch_infer(str(tiny_model), str(tmp_path / "nowhere" / "*.jsonl"), str(tmp_path / "out"))
+    with pytest.raises(ValueError, match=f"^model_uri {tmp_path}/no-model: no such folder$"):
+        batch_infer(str(tmp_path / "no-model"), str(tmp_path / "nowhere" / "*.jsonl"), str(tmp_path / "out"))
+    with pytest.raises(ValueError, match="^model_uri models/nobody@champion: the registry entry 'nobody' under .* has no champion yet"):
+        batch_infer("models/nobody@champion", str(tmp_path / "nowhere" / "*.jsonl"), str(tmp_path / "out"), storage_root=str(tmp_path))
 
 
 def test_a_list_of_inputs_shared_by_two_actors_in_small_windows(ray_cluster, tiny_model, corpus, tmp_path):

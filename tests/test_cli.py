@@ -14,8 +14,8 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from conftest import FTFLOW, read_jsonl
-from tasks.config import FinetuneParams
+from conftest import FTFLOW, free_port, read_jsonl, write_jsonl
+from tasks.config import SHIPPED_DATA, FinetuneParams
 from test_flow import params
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,6 +60,40 @@ def test_bad_input_is_one_line_and_exit_code_2(tmp_path, args, line):
     file.write_text("data:\n  train: reviews.jsonl\n")
     run = ftflow(*(arg.format(file=file) for arg in args))
     assert (run.returncode, run.stdout, run.stderr) == (2, "", line.format(file=file) + "\n")
+
+
+@pytest.mark.parametrize("case", ["missing file", "empty split", "bad labels", "corrupt parquet", "unknown bucket", "no model",
+                                  "infer: no model", "infer: no champion", "infer: no input"])
+def test_data_model_and_storage_are_refused_before_anything_starts(tmp_path, s3_endpoint, tiny_model, case):
+    """The flow's own checks and words, run by the command before it starts Prefect or Ray: the
+    Prefect API it is given is a closed port, so a check made in the flow could not answer at all."""
+    bad_labels = write_jsonl(tmp_path / "labels.jsonl", [{"text": "fine", "label": 1}, {"text": "odd", "label": 7}])
+    write_jsonl(tmp_path / "empty.jsonl", [])
+    (tmp_path / "corrupt.parquet").write_bytes(b"PAR1 not parquet at all")
+    test = str(SHIPPED_DATA / "test.jsonl")
+    args, line = {
+        "missing file": (["run", "--set", f"data.train_uri={tmp_path}/nope.jsonl"], f"{tmp_path}/nope.jsonl: file not found"),
+        "empty split": (["run", "--set", f"data.test_uri={tmp_path}/empty.jsonl"], f"{tmp_path}/empty.jsonl: the test split is empty"),
+        "bad labels": (["run", "--set", f"data.validation_uri={bad_labels}"],
+                       f"{bad_labels}: column 'label' has labels outside ['negative', 'positive'] (or ids 0..1): 7 at rows [1]"),
+        "corrupt parquet": (["run", "--set", f"data.train_uri={tmp_path}/corrupt.parquet"],
+                            f"{tmp_path}/corrupt.parquet: cannot be read as parquet: "),
+        "unknown bucket": (["run", "--set", "storage_root=s3://no-such-bucket/ftflow"],
+                           "storage_root s3://no-such-bucket/ftflow: bucket 'no-such-bucket' does not exist; ftflow creates no buckets: "
+                           "create it or fix the name"),
+        "no model": (["run", "--set", "model.name_or_path=/nonexistent/model"], "model.name_or_path /nonexistent/model: no such folder"),
+        "infer: no model": (["infer", "/nonexistent/model", test, f"{tmp_path}/out"], "model_uri /nonexistent/model: no such folder"),
+        "infer: no champion": (["infer", "models/nobody@champion", test, f"{tmp_path}/out", "--storage-root", str(tmp_path)],
+                               f"model_uri models/nobody@champion: the registry entry 'nobody' under {tmp_path} has no champion yet "
+                               f"(no {tmp_path}/models/nobody/champion): a finetune run with promotion.model_name='nobody' and this "
+                               "storage_root promotes one"),
+        "infer: no input": (["infer", str(tiny_model), f"{tmp_path}/nope.jsonl", f"{tmp_path}/out"], f"{tmp_path}/nope.jsonl: file not found"),
+    }[case]
+    refused = ftflow(*args, PREFECT_API_URL=f"http://127.0.0.1:{free_port()}/api", FTFLOW_STORAGE_ROOT=str(tmp_path / "store"))
+    command = f"ftflow {args[0]}: "
+    assert (refused.returncode, refused.stdout) == (2, "") and refused.stderr.startswith(command + line), refused.stderr
+    assert len(refused.stderr.splitlines()) == 1 and "\x1b" not in refused.stderr
+    assert not (tmp_path / "store").exists() and not (tmp_path / "out").exists()
 
 
 def test_help_shows_every_field_with_its_description_and_params_writes_the_defaults():

@@ -197,6 +197,14 @@ def test_bad_input_stops_the_flow_before_anything_is_written(tiny_model, small_d
     assert not (tmp_path / "store").exists()
 
 
+def test_a_plan_the_cluster_cannot_run_is_refused_before_tokenizing(ray_cluster, tiny_model, small_data, tmp_path):
+    too_many = params(tiny_model, small_data, str(tmp_path / "store"))
+    too_many.train.num_workers = 64
+    with pytest.raises(ValueError, match="^num_workers=64 but the Ray cluster fits \\d+ .* and no autoscaler serves it to add nodes"):
+        finetune(too_many)
+    assert not (tmp_path / "store").exists(), "nothing tokenized, nothing written"
+
+
 def test_a_storage_root_in_a_bucket_that_does_not_exist_is_refused_not_created(tiny_model, small_data, s3_endpoint):
     import boto3
 
