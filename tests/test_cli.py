@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from conftest import FTFLOW, free_port, read_jsonl, write_jsonl
+from flows import console
 from tasks.config import SHIPPED_DATA, FinetuneParams
 from test_flow import params
 
@@ -94,6 +95,14 @@ def test_data_model_and_storage_are_refused_before_anything_starts(tmp_path, s3_
     assert (refused.returncode, refused.stdout) == (2, "") and refused.stderr.startswith(command + line), refused.stderr
     assert len(refused.stderr.splitlines()) == 1 and "\x1b" not in refused.stderr
     assert not (tmp_path / "store").exists() and not (tmp_path / "out").exists()
+
+
+def test_an_error_line_carries_no_terminal_colour_codes(capfd):
+    """Ray colours names in its errors' messages (seen: an inference actor that died starting)."""
+    console.error("ftflow infer: The actor died because of an error raised in its creation task, "
+                  "\x1b[36mray::MapWorker(MapBatches(Labeller)).__init__()\x1b[39m (ActorDiedError)")
+    assert capfd.readouterr().err == ("ftflow infer: The actor died because of an error raised in its creation task, "
+                                      "ray::MapWorker(MapBatches(Labeller)).__init__() (ActorDiedError)\n")
 
 
 def test_help_shows_every_field_with_its_description_and_params_writes_the_defaults():
