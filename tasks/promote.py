@@ -98,4 +98,5 @@ def promote(model_uri: str, metrics: dict, test: Split, cfg: PromotionConfig, ro
 
 def verdict(decision: dict) -> str:
     """The decision in a few words (Markdown), for the log, the artifact and the report."""
-    return f"{'promoted' if decision['promoted'] else 'not promoted'} to champion of `{decision['model_name']}`"
+    name = decision["model_name"]
+    return f"promoted to champion of `{name}`" if decision["promoted"] else f"not promoted: `{name}`'s champion is unchanged"

@@ -53,7 +53,7 @@ def test_a_model_that_loses_leaves_the_champion_untouched(ray_cluster, tiny_mode
     assert decision["champion"] == pytest.approx(first["test_accuracy"]), "the champion is scored on the same test split"
     assert "< the champion's" in decision["reason"] and decision["previous_champion_uri"] == f"{first['run_dir']}/model"
     report = (tmp_path / "store" / "runs" / second["run_id"] / "report" / "report.md").read_text()
-    assert f"Promotion: **not promoted to champion of `rt`** ({decision['reason']})" in report
+    assert f"Promotion: **not promoted: `rt`'s champion is unchanged** ({decision['reason']})" in report
 
     # Both runs side by side in MLflow (the default store under the storage root), as a person compares them.
     client = MlflowClient(f"sqlite:///{root}/mlflow.db")
@@ -105,7 +105,7 @@ def test_a_model_that_predicts_one_class_is_not_promoted_even_to_an_empty_entry(
     assert not decision["promoted"] and not storage.exists(champion_pointer(root, "rt"))
     assert decision["reason"] == f"accuracy 0.5000 is not above the floor: {floor}" and decision["floor"] == floor
     [artifact] = artifacts_of(state.state_details.flow_run_id, "promotion")
-    assert f"not promoted to champion of `rt` ({decision['reason']})" in artifact and f"Floor: {floor}." in artifact
+    assert f"not promoted: `rt`'s champion is unchanged ({decision['reason']})" in artifact and f"Floor: {floor}." in artifact
     assert f"Promotion floor: {floor}." in report_summary(metrics, decision)
     assert gate(PromotionConfig(model_name="rt", min_score=0.5))["promoted"], "an explicit floor is reached, not beaten"
 
