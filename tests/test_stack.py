@@ -61,8 +61,9 @@ def test_a_run_triggered_from_the_ui_completes_with_its_artifacts_and_events_tri
     ui = local_stack
     # A second training run at the same time, from the API: the concurrency limit must queue one.
     with temporary_settings({PREFECT_API_URL: f"{ui}/api"}):
-        other = run_deployment("finetune/retrain", parameters={"params": {"model": {"name_or_path": str(tiny_model)}}},
-                               timeout=0)
+        # One epoch of the tiny model may learn nothing: this run has no promotion floor, so one of the two is promoted.
+        other = run_deployment("finetune/retrain", parameters={"params": {"model": {"name_or_path": str(tiny_model)},
+                                                                          "promotion": {"min_score": 0}}}, timeout=0)
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=shutil.which("chromium"), args=["--no-sandbox"])
@@ -118,7 +119,7 @@ def check_promotions_were_labelled(client, finetune_runs: list, store: Path) -> 
                 for run in finetune_runs for name in [run_folder(store, run)]}
     promoted = {run_id: manifest["outputs"]["model"] for run_id, manifest in promoted.items()
                 if manifest["metrics"]["promotion"]["promoted"]}
-    assert promoted, "neither run was promoted: the first model of an empty registry always is"
+    assert promoted, "neither run was promoted: the one without a floor, first or second, is"
     for _ in range(60):  # the automation acts within seconds of the event
         labelling = {run.parameters["model_uri"]: run for run in deployment_runs(client, "batch_infer/on-promotion")}
         if len(labelling) == len(promoted):
@@ -207,7 +208,9 @@ def open_the_report(page) -> None:
     """The run report shows its numbers and both plots, drawn (an image that failed to load has no width)."""
     page.get_by_text("run-report", exact=True).first.click()
     expect(page.get_by_role("heading", name="Metrics")).to_be_visible()
-    expect(page.get_by_text("Promotion:").first).to_contain_text("promoted to champion of sentiment")
+    # The UI's run keeps the default floor, which one epoch of the tiny model may not clear (accuracy 0.5000 seen).
+    decision = re.compile(r"Promotion: (promoted to champion of sentiment|not promoted: sentiment's champion is unchanged)")
+    expect(page.get_by_text("Promotion:").first).to_contain_text(decision)
     for name in ("loss and accuracy per step", "confusion matrix"):
         plot = page.get_by_role("img", name=name)
         expect(plot).to_be_visible()
