@@ -11,6 +11,8 @@ cluster fits, needs the cluster: it is refused by the flow before tokenization.
 from __future__ import annotations
 
 import json
+import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -50,13 +52,14 @@ def refused_in(args: list[str], env: dict[str, str]) -> float:
 
 
 def main() -> None:
-    import os
-
     from moto.server import ThreadedMotoServer
 
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
+    with socket.socket() as probe:  # a free port for the S3 endpoint
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
     server.start()
-    endpoint = f"http://127.0.0.1:{server._server.server_port}"
+    endpoint = f"http://127.0.0.1:{port}"
     env = {**os.environ, "AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
            "AWS_DEFAULT_REGION": "us-east-1"}
     with tempfile.TemporaryDirectory() as folder:

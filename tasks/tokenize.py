@@ -26,8 +26,8 @@ from tokenizers import Tokenizer
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from tasks import cluster, jobs, storage
-from tasks.config import hub_free
 from tasks.checks import training_model
+from tasks.config import hub_free
 from tasks.data import Split
 from tasks.live import Tracked
 from tasks.predictor import truncating
