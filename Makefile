@@ -6,7 +6,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup browser run test bench stack-up stack-down
+.PHONY: setup browser run test lint bench stack-up stack-down
 setup: $(VENV)/.installed
 
 # torch first (the pinned CPU/CUDA build), then the locked set as is, then ftflow itself.
@@ -28,6 +28,11 @@ browser:
 
 test: setup browser
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# ruff, configured in pyproject.toml: the lint rules, and the code as its formatter writes it.
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 # The local stack (infra/local/stack.py): Prefect server + UI on 127.0.0.1:4200, a Ray head, and
 # the runner serving deployments/ (scheduled retraining, on-demand batch inference).

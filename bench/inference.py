@@ -23,6 +23,7 @@ import sys
 import tempfile
 import time
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 
 import pandas as pd
@@ -33,12 +34,13 @@ from prefect import task
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
+from tiny_model import make_tiny_bert  # noqa: E402
+
 from tasks import cluster  # noqa: E402
 from tasks.config import InferenceConfig, ModelConfig  # noqa: E402
 from tasks.data import iter_frames  # noqa: E402
 from tasks.infer import predict_files  # noqa: E402
 from tasks.progress import periodically  # noqa: E402
-from tiny_model import make_tiny_bert  # noqa: E402
 
 BATCH = 64
 
@@ -137,8 +139,10 @@ def main() -> None:
 
     cluster.connect()
     start_prefect()
-    lines = ["| model | rows | plain loop rows/s | ftflow rows/s | ftflow / plain | ftflow seconds | peak RSS per Ray worker |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| model | rows | plain loop rows/s | ftflow rows/s | ftflow / plain | ftflow seconds | peak RSS per Ray worker |",
+        "|---|---|---|---|---|---|---|",
+    ]
     with tempfile.TemporaryDirectory() as tmp:
         model = {"minilm": ModelConfig().name_or_path}.get(args.model, args.model)
         if model == "tiny":
@@ -148,19 +152,33 @@ def main() -> None:
             corpus = Path(tmp) / f"corpus-{rows}"
             corpus.mkdir()
             files = write_corpus(rows, args.files, corpus)
-            plain_rows, plain_s = timed(lambda: plain_loop(model, files))
+            plain_rows, plain_s = timed(partial(plain_loop, model, files))
             out = str(Path(tmp) / f"out-{rows}")
             with peak_ray_worker_rss() as peak:
-                ftflow_rows, ftflow_s = timed(lambda: predict_files(model, InferenceConfig(input_uri=str(corpus), batch_size=BATCH, precision=args.precision), out)["rows"])
+                config = InferenceConfig(input_uri=str(corpus), batch_size=BATCH, precision=args.precision)
+                labelled, ftflow_s = timed(partial(predict_files, model, config, out))
+            ftflow_rows = labelled["rows"]
             assert plain_rows == ftflow_rows == rows == len(pd.read_parquet(out)), (plain_rows, ftflow_rows, rows)
-            print(f"RESULT {args.model} {rows}: plain {rows / plain_s:.0f} rows/s, ftflow {rows / ftflow_s:.0f} rows/s", flush=True)
-            lines.append(f"| {args.model} | {rows:,} | {rows / plain_s:,.0f} | {rows / ftflow_s:,.0f} | {plain_s / ftflow_s:.2f} "
-                         f"| {ftflow_s:.0f} s | {peak['mib']:,.0f} MiB |")
+            print(
+                f"RESULT {args.model} {rows}: plain {rows / plain_s:.0f} rows/s, ftflow {rows / ftflow_s:.0f} rows/s",
+                flush=True,
+            )
+            lines.append(
+                f"| {args.model} | {rows:,} | {rows / plain_s:,.0f} | {rows / ftflow_s:,.0f} | {plain_s / ftflow_s:.2f} "
+                f"| {ftflow_s:.0f} s | {peak['mib']:,.0f} MiB |"
+            )
         if args.test_accuracy:
-            accuracy = {precision: test_accuracy(model, precision, Path(tmp)) for precision in dict.fromkeys(("fp32", args.precision))}
-            print("Rotten Tomatoes test accuracy: " + ", ".join(f"{p} {a:.4f}" for p, a in accuracy.items()), flush=True)
-    print(f"\n{args.files} JSONL files, batch size {BATCH}, ftflow precision {args.precision}, "
-          f"{cluster.Resources.of_cluster().cpus:.0f} CPUs\n")
+            accuracy = {
+                precision: test_accuracy(model, precision, Path(tmp))
+                for precision in dict.fromkeys(("fp32", args.precision))
+            }
+            print(
+                "Rotten Tomatoes test accuracy: " + ", ".join(f"{p} {a:.4f}" for p, a in accuracy.items()), flush=True
+            )
+    print(
+        f"\n{args.files} JSONL files, batch size {BATCH}, ftflow precision {args.precision}, "
+        f"{cluster.Resources.of_cluster().cpus:.0f} CPUs\n"
+    )
     print("\n".join(lines))
 
 

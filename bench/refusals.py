@@ -26,7 +26,9 @@ TEST = str(ROOT / "data" / "rotten_tomatoes" / "test.jsonl")
 
 
 def cases(folder: Path) -> dict[str, list[str]]:
-    (folder / "labels.jsonl").write_text(json.dumps({"text": "fine", "label": 1}) + "\n" + json.dumps({"text": "odd", "label": 7}) + "\n")
+    (folder / "labels.jsonl").write_text(
+        json.dumps({"text": "fine", "label": 1}) + "\n" + json.dumps({"text": "odd", "label": 7}) + "\n"
+    )
     (folder / "empty.jsonl").write_text("")
     (folder / "corrupt.parquet").write_bytes(b"PAR1 not parquet at all")
     return {
@@ -60,11 +62,19 @@ def main() -> None:
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
     server.start()
     endpoint = f"http://127.0.0.1:{port}"
-    env = {**os.environ, "AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
-           "AWS_DEFAULT_REGION": "us-east-1"}
+    env = {
+        **os.environ,
+        "AWS_ENDPOINT_URL": endpoint,
+        "AWS_ACCESS_KEY_ID": "bench",
+        "AWS_SECRET_ACCESS_KEY": "bench",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
     with tempfile.TemporaryDirectory() as folder:
         env["FTFLOW_STORAGE_ROOT"] = f"{folder}/store"
-        timed = {name: statistics.median(refused_in(args, env) for _ in range(3)) for name, args in cases(Path(folder)).items()}
+        timed = {
+            name: statistics.median(refused_in(args, env) for _ in range(3))
+            for name, args in cases(Path(folder)).items()
+        }
     server.stop()
     baseline = timed["parameters alone (baseline)"]
     print("| case | seconds (median of 3) | x the parameters' refusal |\n|---|---|---|")

@@ -32,10 +32,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 RAY_TMP = Path(tempfile.gettempdir(), "ray")
 LEAKS = ("processes", "threads", "open files", "Ray sessions")  # none may grow
 
-from flows.finetune import finetune  # noqa: E402
-from tasks.config import SHIPPED_DATA, DataConfig, FinetuneParams, ModelConfig, TrainConfig  # noqa: E402
 from conftest import read_jsonl, write_jsonl  # noqa: E402
 from tiny_model import make_tiny_bert  # noqa: E402
+
+from flows.finetune import finetune  # noqa: E402
+from tasks.config import SHIPPED_DATA, DataConfig, FinetuneParams, ModelConfig, TrainConfig  # noqa: E402
 
 
 def mib(size: int) -> float:
@@ -57,11 +58,16 @@ def sample(work: Path) -> dict:
     descendants = [p for p in me.children(recursive=True) if "tasks.reaper" not in " ".join(p.cmdline())]
     stored = folder_bytes(work)  # the runs themselves: grows by design
     ray_logs = folder_bytes(RAY_TMP / "session_latest" / "logs")
-    return {"processes": len(descendants), "threads": me.num_threads(), "open files": me.num_fds(),
-            "Ray sessions": len(list(RAY_TMP.glob("session_2*"))),
-            "tmp MiB (less the runs, Ray's logs)": mib(folder_bytes(Path(tempfile.gettempdir())) - stored - ray_logs),
-            "Ray's logs MiB": mib(ray_logs),
-            "Prefect home MiB": mib(folder_bytes(Path.home() / ".prefect")), "runs MiB": mib(stored)}
+    return {
+        "processes": len(descendants),
+        "threads": me.num_threads(),
+        "open files": me.num_fds(),
+        "Ray sessions": len(list(RAY_TMP.glob("session_2*"))),
+        "tmp MiB (less the runs, Ray's logs)": mib(folder_bytes(Path(tempfile.gettempdir())) - stored - ray_logs),
+        "Ray's logs MiB": mib(ray_logs),
+        "Prefect home MiB": mib(folder_bytes(Path.home() / ".prefect")),
+        "runs MiB": mib(stored),
+    }
 
 
 def slices(folder: Path, rows: dict[str, int]) -> dict[str, str]:
@@ -84,9 +90,12 @@ def main() -> None:
     texts = [review["text"] for review in read_jsonl(SHIPPED_DATA / "train.jsonl")]
     model = make_tiny_bert(texts, work / "tiny-bert")
     data = slices(work / "data", {"train": 512, "validation": 64, "test": 64})
-    params = FinetuneParams(data=DataConfig(train_uri=data["train"], validation_uri=data["validation"], test_uri=data["test"]),
-                            model=ModelConfig(name_or_path=str(model), max_length=64),
-                            train=TrainConfig(epochs=1, batch_size=32, learning_rate=1e-3), storage_root=str(work / "store"))
+    params = FinetuneParams(
+        data=DataConfig(train_uri=data["train"], validation_uri=data["validation"], test_uri=data["test"]),
+        model=ModelConfig(name_or_path=str(model), max_length=64),
+        train=TrainConfig(epochs=1, batch_size=32, learning_rate=1e-3),
+        storage_root=str(work / "store"),
+    )
     rows = []
     for run in range(1, args.runs + 1):
         started = time.monotonic()

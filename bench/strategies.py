@@ -13,7 +13,8 @@ Baselines, measured in the same run on the same tokenized rows:
 Then ftflow's training task (DeepSpeed): the default (ZeRO 0, length-grouped batches, its default
 layout: one worker with every CPU on one machine; `--workers` x `--cpus-per-worker` override it),
 the same without length grouping and as 2 workers x 1 thread, ZeRO 1, 2, 3 and 3 + parameter and
-optimizer offload on 2 workers, tensor parallelism over 2 workers and 2 pipeline stages. Every strategy trains on the same rows with the same
+optimizer offload on 2 workers, tensor parallelism over 2 workers and 2 pipeline stages.
+Every strategy trains on the same rows with the same
 global batch and recipe, in its own seeded order (the loops: DistributedSampler, seed 42), pads each
 batch to its longest row, and checkpoints once half-way so the checkpoint's cost is measured too.
 
@@ -78,8 +79,14 @@ def read_tokenized(uri: str) -> list[dict]:
 
 def collate_rows(pad_id: int) -> Callable[[list[dict]], dict]:
     def pad(rows: list[dict]) -> dict:
-        batch = collate({"input_ids": [r["input_ids"] for r in rows], "label": np.array([r["label"] for r in rows]),
-                         "row": np.array([r["row"] for r in rows])}, pad_id)
+        batch = collate(
+            {
+                "input_ids": [r["input_ids"] for r in rows],
+                "label": np.array([r["label"] for r in rows]),
+                "row": np.array([r["row"] for r in rows]),
+            },
+            pad_id,
+        )
         return {key: batch[key] for key in ("input_ids", "attention_mask", "labels")}
 
     return pad
@@ -89,9 +96,16 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
 
 
-def hand_written_loop(model_path: str, rows: list[dict], micro_batch: int, steps_to_checkpoint: int,
-                      started: float, save: Callable[[dict], None], world: tuple[int, int] = (1, 0),
-                      fused: bool = False) -> dict:
+def hand_written_loop(
+    model_path: str,
+    rows: list[dict],
+    micro_batch: int,
+    steps_to_checkpoint: int,
+    started: float,
+    save: Callable[[dict], None],
+    world: tuple[int, int] = (1, 0),
+    fused: bool = False,
+) -> dict:
     """The loop a user writes by hand: AdamW, linear warm-up/decay, clipping; under DDP when the
     world (size, rank) has more than one process. Batches come in ftflow's order (DistributedSampler,
     seed 42): the same global batches, so the same padding, as every other strategy.
@@ -128,29 +142,43 @@ def hand_written_loop(model_path: str, rows: list[dict], micro_batch: int, steps
             save({"model": model.state_dict(), "optimizer": optimizer.state_dict()})
             checkpoint_s = time.perf_counter() - checkpoint_started
     elapsed = time.perf_counter() - steady_from - checkpoint_s
-    return {"samples_per_s": samples / elapsed, "first_step_s": first_step_s, "checkpoint_s": checkpoint_s,
-            "peak_memory_mb": peak_rss_mb()}
+    return {
+        "samples_per_s": samples / elapsed,
+        "first_step_s": first_step_s,
+        "checkpoint_s": checkpoint_s,
+        "peak_memory_mb": peak_rss_mb(),
+    }
 
 
-def baseline_process(model_path: str, train_uri: str, batch: int, threads: int, steps_to_checkpoint: int,
-                     fused: bool) -> dict:
+def baseline_process(
+    model_path: str, train_uri: str, batch: int, threads: int, steps_to_checkpoint: int, fused: bool
+) -> dict:
     started = time.time()
     torch.set_num_threads(threads)
     with tempfile.TemporaryDirectory() as folder:
+
         def save(state: dict) -> None:
             torch.save(state, f"{folder}/checkpoint.pt")
 
-        return hand_written_loop(model_path, read_tokenized(train_uri), batch, steps_to_checkpoint, started, save,
-                                 fused=fused)
+        return hand_written_loop(
+            model_path, read_tokenized(train_uri), batch, steps_to_checkpoint, started, save, fused=fused
+        )
 
 
-def trainer_process(model_path: str, train_uri: str, batch: int, threads: int, steps_to_checkpoint: int,
-                    sampling: str) -> dict:
+def trainer_process(
+    model_path: str, train_uri: str, batch: int, threads: int, steps_to_checkpoint: int, sampling: str
+) -> dict:
     """The Hugging Face Trainer as a user would pick it: one process, all the CPUs, its defaults
     (fused AdamW on this torch), ftflow's recipe (lr, warm-up, decay, clipping), dynamic padding."""
     from datasets import Dataset
-    from transformers import (AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding, Trainer,
-                              TrainerCallback, TrainingArguments)
+    from transformers import (
+        AutoModelForSequenceClassification,
+        AutoTokenizer,
+        DataCollatorWithPadding,
+        Trainer,
+        TrainerCallback,
+        TrainingArguments,
+    )
 
     started = time.perf_counter()
     torch.set_num_threads(threads)
@@ -167,20 +195,41 @@ def trainer_process(model_path: str, train_uri: str, batch: int, threads: int, s
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     with tempfile.TemporaryDirectory() as folder:
         arguments = TrainingArguments(
-            folder, per_device_train_batch_size=batch, num_train_epochs=1, learning_rate=LEARNING_RATE, warmup_steps=0.1,
-            weight_decay=0.01, max_grad_norm=1.0, seed=42, use_cpu=True, train_sampling_strategy=sampling,
-            save_strategy="steps", save_steps=steps_to_checkpoint, logging_strategy="no", report_to="none",
-            dataloader_num_workers=0, disable_tqdm=True)
-        trainer = Trainer(AutoModelForSequenceClassification.from_pretrained(model_path, num_labels=len(LABELS)), arguments,
-                          train_dataset=Dataset.from_list(rows), data_collator=DataCollatorWithPadding(tokenizer),
-                          callbacks=[Clock()])
+            folder,
+            per_device_train_batch_size=batch,
+            num_train_epochs=1,
+            learning_rate=LEARNING_RATE,
+            warmup_steps=0.1,
+            weight_decay=0.01,
+            max_grad_norm=1.0,
+            seed=42,
+            use_cpu=True,
+            train_sampling_strategy=sampling,
+            save_strategy="steps",
+            save_steps=steps_to_checkpoint,
+            logging_strategy="no",
+            report_to="none",
+            dataloader_num_workers=0,
+            disable_tqdm=True,
+        )
+        trainer = Trainer(
+            AutoModelForSequenceClassification.from_pretrained(model_path, num_labels=len(LABELS)),
+            arguments,
+            train_dataset=Dataset.from_list(rows),
+            data_collator=DataCollatorWithPadding(tokenizer),
+            callbacks=[Clock()],
+        )
         trainer.train()
     steps = times["step"]
     # The checkpoint at steps_to_checkpoint is taken after that step's end and before the next step.
     checkpoint_s = times["save"][0] - steps[steps_to_checkpoint - 1]
-    return {"samples_per_s": (len(steps) - 1) * batch / (steps[-1] - steps[0] - checkpoint_s),
-            "first_step_s": steps[0] - started, "checkpoint_s": checkpoint_s,
-            "peak_memory_mb": peak_rss_mb(), "optimizer": arguments.optim.value}
+    return {
+        "samples_per_s": (len(steps) - 1) * batch / (steps[-1] - steps[0] - checkpoint_s),
+        "first_step_s": steps[0] - started,
+        "checkpoint_s": checkpoint_s,
+        "peak_memory_mb": peak_rss_mb(),
+        "optimizer": arguments.optim.value,
+    }
 
 
 def in_fresh_process(function: Callable[..., dict], *args) -> dict:
@@ -195,9 +244,15 @@ def ddp_worker(config: dict) -> None:
     started = time.time()
     torch.set_num_threads(config["threads"])
     ctx = ray.train.get_context()
-    stats = hand_written_loop(config["model"], read_tokenized(config["train_uri"]), config["micro_batch"],
-                              config["steps_to_checkpoint"], started, report_from_rank0,
-                              (ctx.get_world_size(), ctx.get_world_rank()))
+    stats = hand_written_loop(
+        config["model"],
+        read_tokenized(config["train_uri"]),
+        config["micro_batch"],
+        config["steps_to_checkpoint"],
+        started,
+        report_from_rank0,
+        (ctx.get_world_size(), ctx.get_world_rank()),
+    )
     totals = torch.tensor([stats["samples_per_s"], stats["peak_memory_mb"]], dtype=torch.float64)
     torch.distributed.all_reduce(totals[:1])  # samples/s add up over workers
     torch.distributed.all_reduce(totals[1:], op=torch.distributed.ReduceOp.MAX)
@@ -216,25 +271,52 @@ def report_from_rank0(state: dict, metrics: dict | None = None) -> None:
         ray.train.report(metrics or {}, checkpoint=ray.train.Checkpoint.from_directory(folder) if rank0 else None)
 
 
-def ddp(model_path: str, train_uri: str, batch: int, workers: int, cpus_per_worker: int, steps_to_checkpoint: int) -> dict:
+def ddp(
+    model_path: str, train_uri: str, batch: int, workers: int, cpus_per_worker: int, steps_to_checkpoint: int
+) -> dict:
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    config = {"model": model_path, "train_uri": train_uri, "micro_batch": batch // workers, "threads": cpus_per_worker,
-              "steps_to_checkpoint": steps_to_checkpoint}
+    config = {
+        "model": model_path,
+        "train_uri": train_uri,
+        "micro_batch": batch // workers,
+        "threads": cpus_per_worker,
+        "steps_to_checkpoint": steps_to_checkpoint,
+    }
     with tempfile.TemporaryDirectory() as storage:
-        trainer = TorchTrainer(ddp_worker, train_loop_config=config, torch_config=TorchConfig(backend="gloo"),
-                               scaling_config=ScalingConfig(num_workers=workers, resources_per_worker={"CPU": cpus_per_worker}),
-                               run_config=RunConfig(storage_path=storage))
+        trainer = TorchTrainer(
+            ddp_worker,
+            train_loop_config=config,
+            torch_config=TorchConfig(backend="gloo"),
+            scaling_config=ScalingConfig(num_workers=workers, resources_per_worker={"CPU": cpus_per_worker}),
+            run_config=RunConfig(storage_path=storage),
+        )
         return trainer.fit().metrics
 
 
-def ftflow(model_path: str, uris: dict, max_length: int, batch: int, layout: dict, steps_to_checkpoint: int, options: dict,
-           run_dir: str) -> dict:
-    cfg = TrainConfig(**{"batch_size": batch, "learning_rate": LEARNING_RATE, "checkpoint_every_steps": steps_to_checkpoint} | layout | options)
+def ftflow(
+    model_path: str,
+    uris: dict,
+    max_length: int,
+    batch: int,
+    layout: dict,
+    steps_to_checkpoint: int,
+    options: dict,
+    run_dir: str,
+) -> dict:
+    cfg = TrainConfig(
+        **{"batch_size": batch, "learning_rate": LEARNING_RATE, "checkpoint_every_steps": steps_to_checkpoint}
+        | layout
+        | options
+    )
     row = train(uris, ModelConfig(name_or_path=model_path, max_length=max_length), LABELS, cfg, run_dir).history[-1]
-    return {"samples_per_s": row.samples_per_s, "first_step_s": row.startup_s, "checkpoint_s": row.checkpoint_s,
-            "peak_memory_mb": row.peak_memory_mb}
+    return {
+        "samples_per_s": row.samples_per_s,
+        "first_step_s": row.startup_s,
+        "checkpoint_s": row.checkpoint_s,
+        "peak_memory_mb": row.peak_memory_mb,
+    }
 
 
 def sample(split: str, rows: int, folder: Path) -> str:
@@ -247,8 +329,13 @@ def sample(split: str, rows: int, folder: Path) -> str:
 
 def tokenized_rows(model_path: str, max_length: int, rows: int, folder: Path) -> dict:
     """Training rows and a small validation split, tokenized by ftflow's own stage."""
-    splits = load_splits(DataConfig(train_uri=sample("train", rows, folder), validation_uri=sample("validation", 64, folder),
-                                    test_uri=sample("test", 64, folder)))
+    splits = load_splits(
+        DataConfig(
+            train_uri=sample("train", rows, folder),
+            validation_uri=sample("validation", 64, folder),
+            test_uri=sample("test", 64, folder),
+        )
+    )
     return tokenize(tokenize_key(splits, load_tokenizer(model_path), max_length, str(folder)), splits, model_path)
 
 
@@ -257,12 +344,18 @@ BASELINES = ("pytorch (baseline)", "pytorch, fused adamw", "hf trainer, group_by
 
 def table(results: dict[str, dict]) -> str:
     bases = [name for name in BASELINES if name in results]
-    lines = ["| strategy | samples/s | " + " | ".join(f"vs {name}" for name in bases)
-             + " | peak memory per worker | time to first step | checkpoint | wall |", "|---" * (6 + len(bases)) + "|"]
+    lines = [
+        "| strategy | samples/s | "
+        + " | ".join(f"vs {name}" for name in bases)
+        + " | peak memory per worker | time to first step | checkpoint | wall |",
+        "|---" * (6 + len(bases)) + "|",
+    ]
     for name, r in results.items():
         ratios = " | ".join(f"{r['samples_per_s'] / results[base]['samples_per_s']:.2f}" for base in bases)
-        lines.append(f"| {name} | {r['samples_per_s']:.1f} | {ratios} | {r['peak_memory_mb']:,.0f} MiB "
-                     f"| {r['first_step_s']:.1f} s | {r['checkpoint_s']:.1f} s | {r['wall_s']:.0f} s |")
+        lines.append(
+            f"| {name} | {r['samples_per_s']:.1f} | {ratios} | {r['peak_memory_mb']:,.0f} MiB "
+            f"| {r['first_step_s']:.1f} s | {r['checkpoint_s']:.1f} s | {r['wall_s']:.0f} s |"
+        )
     return "\n".join(lines)
 
 
@@ -281,23 +374,41 @@ def main() -> None:
     cpus = int(cluster.Resources.of_cluster().cpus)
     steps = args.rows // args.batch_size
     results: dict[str, dict] = {}
-    layout = {key: value for key, value in {"num_workers": args.workers, "cpus_per_worker": args.cpus_per_worker}.items() if value}
+    layout = {
+        key: value
+        for key, value in {"num_workers": args.workers, "cpus_per_worker": args.cpus_per_worker}.items()
+        if value
+    }
     with tempfile.TemporaryDirectory() as tmp:
         uris = tokenized_rows(args.model, args.max_length, args.rows, Path(tmp))
         half = steps // 2  # every strategy checkpoints once, half-way
         runs = {
-            "pytorch (baseline)": partial(in_fresh_process, baseline_process, args.model, uris["train"], args.batch_size, cpus,
-                                          half, False),
-            "pytorch, fused adamw": partial(in_fresh_process, baseline_process, args.model, uris["train"], args.batch_size,
-                                            cpus, half, True),
-            "hf trainer": partial(in_fresh_process, trainer_process, args.model, uris["train"], args.batch_size, cpus, half,
-                                  "random"),
-            "hf trainer, group_by_length": partial(in_fresh_process, trainer_process, args.model, uris["train"],
-                                                   args.batch_size, cpus, half, "group_by_length"),
-            "ray train ddp": partial(ddp, args.model, uris["train"], args.batch_size, args.workers or 2, args.cpus_per_worker or 1,
-                                     half),
+            "pytorch (baseline)": partial(
+                in_fresh_process, baseline_process, args.model, uris["train"], args.batch_size, cpus, half, False
+            ),
+            "pytorch, fused adamw": partial(
+                in_fresh_process, baseline_process, args.model, uris["train"], args.batch_size, cpus, half, True
+            ),
+            "hf trainer": partial(
+                in_fresh_process, trainer_process, args.model, uris["train"], args.batch_size, cpus, half, "random"
+            ),
+            "hf trainer, group_by_length": partial(
+                in_fresh_process,
+                trainer_process,
+                args.model,
+                uris["train"],
+                args.batch_size,
+                cpus,
+                half,
+                "group_by_length",
+            ),
+            "ray train ddp": partial(
+                ddp, args.model, uris["train"], args.batch_size, args.workers or 2, args.cpus_per_worker or 1, half
+            ),
         } | {
-            name: partial(ftflow, args.model, uris, args.max_length, args.batch_size, layout, half, options, f"{tmp}/runs/{i}")
+            name: partial(
+                ftflow, args.model, uris, args.max_length, args.batch_size, layout, half, options, f"{tmp}/runs/{i}"
+            )
             for i, (name, options) in enumerate(DEEPSPEED.items())
         }
         for name, run in runs.items():
@@ -306,8 +417,10 @@ def main() -> None:
             started = time.perf_counter()
             results[name] = run() | {"wall_s": time.perf_counter() - started}
             print(f"RESULT {name}: {json.dumps(results[name])}", flush=True)
-    print(f"\n{args.model}, {args.rows} rows, global batch {args.batch_size}, ftflow layout {layout or 'default'}"
-          f" (baselines: 1 process x {cpus} threads), max length {args.max_length}\n")
+    print(
+        f"\n{args.model}, {args.rows} rows, global batch {args.batch_size}, ftflow layout {layout or 'default'}"
+        f" (baselines: 1 process x {cpus} threads), max length {args.max_length}\n"
+    )
     print(table(results))
 
 

@@ -23,6 +23,7 @@ import json
 import os
 import sys
 import tempfile
+from functools import partial
 from pathlib import Path
 
 import pyarrow.dataset
@@ -31,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 from inference import peak_ray_worker_rss, review_texts, start_prefect, timed, write_corpus  # noqa: E402
+
 from tasks import cluster  # noqa: E402
 from tasks.config import DataConfig, ModelConfig  # noqa: E402
 from tasks.data import load_splits  # noqa: E402
@@ -46,9 +48,15 @@ def with_datasets(files: list[Path], model: str, max_length: int, out: Path, cac
     tokenizer = AutoTokenizer.from_pretrained(model)
     corpus = datasets.Dataset.from_json([str(f) for f in files], cache_dir=str(cache))
     tokenized = corpus.map(
-        lambda batch: tokenizer(batch["text"], truncation=True, max_length=max_length, return_attention_mask=False,
-                                return_token_type_ids=False),
-        batched=True, remove_columns=["text"],
+        lambda batch: tokenizer(
+            batch["text"],
+            truncation=True,
+            max_length=max_length,
+            return_attention_mask=False,
+            return_token_type_ids=False,
+        ),
+        batched=True,
+        remove_columns=["text"],
     )
     tokenized.to_parquet(str(out))
     return pyarrow.dataset.dataset(out).count_rows()
@@ -56,8 +64,9 @@ def with_datasets(files: list[Path], model: str, max_length: int, out: Path, cac
 
 def with_ftflow(corpus: Path, small: Path, model: str, max_length: int, root: Path) -> tuple[int, float]:
     """Rows written for the corpus, and the seconds `load_splits` took of the whole."""
-    checked, checks_s = timed(lambda: load_splits(DataConfig(train_uri=str(corpus), validation_uri=str(small),
-                                                                 test_uri=str(small))))
+    checked, checks_s = timed(
+        lambda: load_splits(DataConfig(train_uri=str(corpus), validation_uri=str(small), test_uri=str(small)))
+    )
     key = tokenize_key(checked, load_tokenizer(model), max_length, str(root))
     uris = tokenize.with_options(refresh_cache=True)(key, checked, model)
     return pyarrow.dataset.dataset(uris["train"]).count_rows(), checks_s
@@ -73,27 +82,41 @@ def main() -> None:
     model = ModelConfig().name_or_path
     cluster.connect()
     start_prefect()
-    lines = ["| rows | datasets rows/s | ftflow rows/s | ftflow / datasets | ftflow seconds (checks) | peak RSS per Ray worker |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        "| rows | datasets rows/s | ftflow rows/s | ftflow / datasets | ftflow seconds (checks) | peak RSS per Ray worker |",
+        "|---|---|---|---|---|---|",
+    ]
     with tempfile.TemporaryDirectory() as tmp:
         small = Path(tmp) / "small.jsonl"
-        small.write_text("".join(json.dumps({"text": t, "label": i % 2}) + "\n"
-                                 for i, t in enumerate(review_texts()[:SMALL_SPLIT_ROWS])))
+        small.write_text(
+            "".join(
+                json.dumps({"text": t, "label": i % 2}) + "\n" for i, t in enumerate(review_texts()[:SMALL_SPLIT_ROWS])
+            )
+        )
         for rows in args.rows:
             corpus = Path(tmp) / f"corpus-{rows}"
             corpus.mkdir()
             files = write_corpus(rows, args.files, corpus, labels=True)
-            base_rows, base_s = timed(lambda: with_datasets(files, model, args.max_length, Path(tmp) / f"datasets-{rows}.parquet",
-                                                            Path(tmp) / f"datasets-cache-{rows}"))
+            cached = Path(tmp) / f"datasets-cache-{rows}"
+            base_rows, base_s = timed(
+                partial(with_datasets, files, model, args.max_length, Path(tmp) / f"datasets-{rows}.parquet", cached)
+            )
             with peak_ray_worker_rss() as peak:
-                (ftflow_rows, checks_s), ftflow_s = timed(lambda: with_ftflow(corpus, small, model, args.max_length,
-                                                                               Path(tmp) / f"store-{rows}"))
+                (ftflow_rows, checks_s), ftflow_s = timed(
+                    partial(with_ftflow, corpus, small, model, args.max_length, Path(tmp) / f"store-{rows}")
+                )
             assert base_rows == ftflow_rows == rows, (base_rows, ftflow_rows, rows)
-            print(f"RESULT {rows}: datasets {rows / base_s:.0f} rows/s, ftflow {rows / ftflow_s:.0f} rows/s", flush=True)
-            lines.append(f"| {rows:,} | {rows / base_s:,.0f} | {rows / ftflow_s:,.0f} | {base_s / ftflow_s:.2f} "
-                         f"| {ftflow_s:.0f} s ({checks_s:.0f} s) | {peak['mib']:,.0f} MiB |")
-    print(f"\n{args.files} JSONL files, max_length {args.max_length}, {cluster.Resources.of_cluster().cpus:.0f} CPUs, "
-          f"TOKENIZERS_PARALLELISM={os.environ.get('TOKENIZERS_PARALLELISM', 'unset')}\n")
+            print(
+                f"RESULT {rows}: datasets {rows / base_s:.0f} rows/s, ftflow {rows / ftflow_s:.0f} rows/s", flush=True
+            )
+            lines.append(
+                f"| {rows:,} | {rows / base_s:,.0f} | {rows / ftflow_s:,.0f} | {base_s / ftflow_s:.2f} "
+                f"| {ftflow_s:.0f} s ({checks_s:.0f} s) | {peak['mib']:,.0f} MiB |"
+            )
+    print(
+        f"\n{args.files} JSONL files, max_length {args.max_length}, {cluster.Resources.of_cluster().cpus:.0f} CPUs, "
+        f"TOKENIZERS_PARALLELISM={os.environ.get('TOKENIZERS_PARALLELISM', 'unset')}\n"
+    )
     print("\n".join(lines))
 
 

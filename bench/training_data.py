@@ -30,13 +30,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
+from tiny_model import make_tiny_bert  # noqa: E402
+
 import tasks.train  # noqa: E402
 from tasks import cluster  # noqa: E402
 from tasks.config import SHIPPED_DATA, DataConfig, ModelConfig, TrainConfig  # noqa: E402
 from tasks.data import load_splits  # noqa: E402
 from tasks.shards import SHARD_SCHEMA  # noqa: E402
 from tasks.tokenize import load_tokenizer, tokenize, tokenize_key  # noqa: E402
-from tiny_model import make_tiny_bert  # noqa: E402
 
 LABELS = ["negative", "positive"]
 GROUP_ROWS = 10_000
@@ -50,7 +51,11 @@ def private_peak_mb(device) -> float:
     import torch
     import torch.distributed as dist
 
-    status = {line.split(":")[0]: int(line.split()[1]) for line in open("/proc/self/status") if line.startswith(("VmHWM", "RssShmem"))}
+    status = {
+        line.split(":")[0]: int(line.split()[1])
+        for line in open("/proc/self/status")
+        if line.startswith(("VmHWM", "RssShmem"))
+    }
     worst = torch.tensor([(status["VmHWM"] - status["RssShmem"]) / 2**10], dtype=torch.float64)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     return worst.item()
@@ -77,12 +82,20 @@ def in_memory_worker(config: dict) -> None:
         if split not in held:
             held[split] = list(ray.train.get_dataset_shard(split).iter_rows())
         rows = held[split]
-        order = np.random.default_rng((cfg.seed, epoch)).permutation(len(rows)) if epoch is not None else range(len(rows))
+        order = (
+            np.random.default_rng((cfg.seed, epoch)).permutation(len(rows)) if epoch is not None else range(len(rows))
+        )
         order = list(order)
         for start in range(0, len(rows), micro_batch):
             chunk = [rows[i] for i in order[start : start + micro_batch]]
-            yield worker.collate({"input_ids": [r["input_ids"] for r in chunk], "label": np.array([r["label"] for r in chunk]),
-                                  "row": np.array([r["row"] for r in chunk])}, pad_id)
+            yield worker.collate(
+                {
+                    "input_ids": [r["input_ids"] for r in chunk],
+                    "label": np.array([r["label"] for r in chunk]),
+                    "row": np.array([r["row"] for r in chunk]),
+                },
+                pad_id,
+            )
 
     worker.batches = batches
     worker.train_worker(config)
@@ -97,8 +110,16 @@ def corpus(tokenized: dict[str, str], rows: int, folder: Path) -> dict[str, str]
         for start in range(0, rows, GROUP_ROWS):
             count = min(GROUP_ROWS, rows - start)
             picked = base.take(np.arange(start, start + count) % base.num_rows)
-            out.write_table(pa.table({"row": np.arange(start, start + count), "label": picked["label"],
-                                      "input_ids": picked["input_ids"]}, schema=SHARD_SCHEMA))
+            out.write_table(
+                pa.table(
+                    {
+                        "row": np.arange(start, start + count),
+                        "label": picked["label"],
+                        "input_ids": picked["input_ids"],
+                    },
+                    schema=SHARD_SCHEMA,
+                )
+            )
     return {"train": str(target), "validation": tokenized["validation"]}
 
 
@@ -107,8 +128,14 @@ def run(uris: dict, model: str, max_length: int, steps: int, streamed: bool, fol
     # Batches as drawn on both sides: this compares the loaders, not length grouping (bench/strategies.py).
     cfg = TrainConfig(batch_size=32, num_workers=2, max_steps=steps, eval_every_steps=0, length_group_batches=1)
     started = time.perf_counter()
-    row = tasks.train.train.fn(uris, ModelConfig(name_or_path=model, max_length=max_length), LABELS, cfg, folder).history[-1]
-    return {"samples_per_s": row.samples_per_s, "peak_memory_mb": row.peak_memory_mb, "wall_s": time.perf_counter() - started}
+    row = tasks.train.train.fn(
+        uris, ModelConfig(name_or_path=model, max_length=max_length), LABELS, cfg, folder
+    ).history[-1]
+    return {
+        "samples_per_s": row.samples_per_s,
+        "peak_memory_mb": row.peak_memory_mb,
+        "wall_s": time.perf_counter() - started,
+    }
 
 
 def main() -> None:
@@ -123,13 +150,20 @@ def main() -> None:
     cluster.connect()
     results = {}
     with tempfile.TemporaryDirectory() as tmp, disable_run_logger():
-        tiny = str(make_tiny_bert([json.loads(line)["text"] for line in (SHIPPED_DATA / "train.jsonl").open()], Path(tmp) / "tiny"))
+        tiny = str(
+            make_tiny_bert(
+                [json.loads(line)["text"] for line in (SHIPPED_DATA / "train.jsonl").open()], Path(tmp) / "tiny"
+            )
+        )
         splits = load_splits(DataConfig())
         cases = {}
         for model, max_length in [(tiny, 64)] + ([(ModelConfig().name_or_path, 128)] if args.main_job else []):
             tokenized = tokenize.fn(tokenize_key(splits, load_tokenizer(model), max_length, tmp), splits, model)
             if model == tiny:
-                cases |= {(f"tiny, {rows:,} rows", model, max_length): corpus(tokenized, rows, Path(tmp)) for rows in args.rows}
+                cases |= {
+                    (f"tiny, {rows:,} rows", model, max_length): corpus(tokenized, rows, Path(tmp))
+                    for rows in args.rows
+                }
             else:
                 cases[("all-MiniLM-L6-v2, the main job's 8,530 rows", model, max_length)] = tokenized
         for (name, model, max_length), uris in cases.items():
@@ -138,17 +172,23 @@ def main() -> None:
                 results[label] = run(uris, model, max_length, args.steps, streamed, f"{tmp}/runs/{len(results)}")
                 print(f"RESULT {label}: {json.dumps(results[label])}", flush=True)
     print(f"\n2 workers x 1 CPU, global batch 32, {args.steps} steps per run\n")
-    print("| data | loader | samples/s | vs in memory | peak RSS per worker, less object-store pages | vs in memory | wall |")
+    print(
+        "| data | loader | samples/s | vs in memory | peak RSS per worker, less object-store pages | vs in memory | wall |"
+    )
     print("|---|---|---|---|---|---|---|")
     for label, r in results.items():
         name, loader = label.rsplit(", ", 1)
         base = results[f"{name}, in memory"]
-        print(f"| {name} | {loader} | {r['samples_per_s']:.1f} | {r['samples_per_s'] / base['samples_per_s']:.2f} "
-              f"| {r['peak_memory_mb']:,.0f} MiB | {r['peak_memory_mb'] / base['peak_memory_mb']:.2f} | {r['wall_s']:.0f} s |")
+        print(
+            f"| {name} | {loader} | {r['samples_per_s']:.1f} | {r['samples_per_s'] / base['samples_per_s']:.2f} "
+            f"| {r['peak_memory_mb']:,.0f} MiB | {r['peak_memory_mb'] / base['peak_memory_mb']:.2f} | {r['wall_s']:.0f} s |"
+        )
     streamed = [r for label, r in results.items() if label.startswith("tiny") and label.endswith("streamed")]
     if len(streamed) > 1:
-        print(f"\nstreamed, peak RSS per worker (less object-store pages) at the largest size / the smallest: "
-              f"{streamed[-1]['peak_memory_mb'] / streamed[0]['peak_memory_mb']:.3f}")
+        print(
+            f"\nstreamed, peak RSS per worker (less object-store pages) at the largest size / the smallest: "
+            f"{streamed[-1]['peak_memory_mb'] / streamed[0]['peak_memory_mb']:.3f}"
+        )
 
 
 if __name__ == "__main__":

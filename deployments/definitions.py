@@ -18,12 +18,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import yaml
-from pydantic import ValidationError
 from prefect.client.orchestration import get_client
 from prefect.deployments.runner import EntrypointType, RunnerDeployment
 from prefect.events import DeploymentEventTrigger
 from prefect.exceptions import ParameterTypeError, SignatureMismatchError
 from prefect.schedules import Cron
+from pydantic import ValidationError
 
 from flows.batch_infer import batch_infer
 from flows.finetune import finetune
@@ -74,32 +74,52 @@ def deployments(config_path: Path = RETRAIN_CONFIG, relabel_path: Path = RELABEL
             name=config.name,
             schedule=Cron(config.cron, timezone=config.timezone),
             parameters={"params": params},
-            triggers=[DeploymentEventTrigger(name="new training data", expect={DATA_ARRIVED}, parameters={"params": on_new_data})],
+            triggers=[
+                DeploymentEventTrigger(
+                    name="new training data", expect={DATA_ARRIVED}, parameters={"params": on_new_data}
+                )
+            ],
             tags=["training"],
             description=f"Scheduled retraining ({config.cron}, {config.timezone}), and on new training data (event "
-                        f"{DATA_ARRIVED}: its train_uri); parameters from {config_path.name}.",
+            f"{DATA_ARRIVED}: its train_uri); parameters from {config_path.name}.",
             entrypoint_type=EntrypointType.MODULE_PATH,
         ),
         relabelling(relabel, relabel_path),
-        batch_infer.to_deployment(name="on-demand", tags=["inference"], entrypoint_type=EntrypointType.MODULE_PATH,
-                                  description="Label a corpus with a trained model, when asked."),
+        batch_infer.to_deployment(
+            name="on-demand",
+            tags=["inference"],
+            entrypoint_type=EntrypointType.MODULE_PATH,
+            description="Label a corpus with a trained model, when asked.",
+        ),
     ]
 
 
 def relabelling(config: RelabelFile, path: Path) -> RunnerDeployment:
     """batch_infer on every promotion of config.model_name, with the event's model."""
-    on_promotion = {"model_uri": "{{ event.payload.model_uri }}", "input_uri": config.input_uri,
-                    "output_uri": f"{{{{ event.payload.storage_root }}}}/labels/{config.model_name}/{{{{ event.payload.run_id }}}}",
-                    **config.parameters}
+    on_promotion = {
+        "model_uri": "{{ event.payload.model_uri }}",
+        "input_uri": config.input_uri,
+        "output_uri": f"{{{{ event.payload.storage_root }}}}/labels/{config.model_name}/{{{{ event.payload.run_id }}}}",
+        **config.parameters,
+    }
     try:
         batch_infer.validate_parameters({**on_promotion, "model_uri": "m", "output_uri": "o"})
     except (ParameterTypeError, SignatureMismatchError) as error:
         raise ValueError(f"{path}: parameters: {' '.join(str(error).split())}") from None
     return batch_infer.to_deployment(
-        name=config.name, tags=["inference"], entrypoint_type=EntrypointType.MODULE_PATH,
-        triggers=[DeploymentEventTrigger(name=f"{config.model_name} promoted", expect={PROMOTED},
-                                         match={"prefect.resource.id": f"ftflow.model.{config.model_name}"}, parameters=on_promotion)],
-        description=f"Label {config.input_uri} with each new champion of {config.model_name} (event {PROMOTED}); from {path.name}.")
+        name=config.name,
+        tags=["inference"],
+        entrypoint_type=EntrypointType.MODULE_PATH,
+        triggers=[
+            DeploymentEventTrigger(
+                name=f"{config.model_name} promoted",
+                expect={PROMOTED},
+                match={"prefect.resource.id": f"ftflow.model.{config.model_name}"},
+                parameters=on_promotion,
+            )
+        ],
+        description=f"Label {config.input_uri} with each new champion of {config.model_name} (event {PROMOTED}); from {path.name}.",
+    )
 
 
 def limit_concurrency() -> None:

@@ -19,8 +19,8 @@ import importlib.util
 import json
 import sys
 import traceback
-from pathlib import Path
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -32,12 +32,21 @@ from flows import console
 from tasks.config import PROJECT_ROOT, FinetuneParams, InferenceConfig, default_storage_root, one_line
 from tasks.config import first_line as config_first_line
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="rich", pretty_exceptions_enable=False,
-                  help="Fine-tune Hugging Face classifiers and label corpora with them: Prefect + Ray + DeepSpeed.")
-stack_app = typer.Typer(no_args_is_help=True, help="The local stack: Prefect server and UI, a Ray head, the deployments' runner.")
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    rich_markup_mode="rich",
+    pretty_exceptions_enable=False,
+    help="Fine-tune Hugging Face classifiers and label corpora with them: Prefect + Ray + DeepSpeed.",
+)
+stack_app = typer.Typer(
+    no_args_is_help=True, help="The local stack: Prefect server and UI, a Ray head, the deployments' runner."
+)
 app.add_typer(stack_app, name="stack")
 
-Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="Show Ray's, DeepSpeed's, transformers' and Prefect's own output too.")]
+Verbose = Annotated[
+    bool, typer.Option("--verbose", "-v", help="Show Ray's, DeepSpeed's, transformers' and Prefect's own output too.")
+]
 Debug = Annotated[bool, typer.Option("--debug", help="On an error, show its traceback instead of one line.")]
 BAD_INPUT = (ValidationError, ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
 
@@ -62,8 +71,10 @@ def fields(model: type[BaseModel], prefix: str = "") -> Iterator[tuple[str, Any,
 
 def fields_help(model: type[BaseModel]) -> str:
     """--help's list of every field, its default and description (rich markup, a paragraph each)."""
-    return "\n\n".join(f"[bold]{name}[/] = {json.dumps(default)}" + (f"  {escape(about)}" if about else "")
-                       for name, default, about in fields(model))
+    return "\n\n".join(
+        f"[bold]{name}[/] = {json.dumps(default)}" + (f"  {escape(about)}" if about else "")
+        for name, default, about in fields(model)
+    )
 
 
 def escape(text: str) -> str:
@@ -118,7 +129,9 @@ def read_params(path: Path) -> dict:
     except OSError as error:
         raise BadInput(f"{path}: {error.strerror}") from None
     except (json.JSONDecodeError, yaml.YAMLError) as error:
-        raise BadInput(f"{path}: not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {' '.join(str(error).split())}") from None
+        raise BadInput(
+            f"{path}: not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {' '.join(str(error).split())}"
+        ) from None
     if not isinstance(given or {}, dict):
         raise BadInput(f"{path}: expected a mapping of parameters, got {type(given).__name__}")
     return given or {}
@@ -137,8 +150,14 @@ def finetune_params(params_file: Path | None, assignments: list[str]) -> Finetun
 
 @app.command(epilog="[bold]Fields[/] (--set NAME=VALUE, or in the --params file):\n\n" + fields_help(FinetuneParams))
 def run(
-    params_file: Annotated[Path | None, typer.Option("--params", help="FinetuneParams as a JSON or YAML file (`ftflow params` writes one).")] = None,
-    assignments: Annotated[list[str], typer.Option("--set", help="One field, e.g. train.epochs=3 (repeatable; values as YAML; over --params).")] = [],
+    params_file: Annotated[
+        Path | None,
+        typer.Option("--params", help="FinetuneParams as a JSON or YAML file (`ftflow params` writes one)."),
+    ] = None,
+    assignments: Annotated[
+        list[str],
+        typer.Option("--set", help="One field, e.g. train.epochs=3 (repeatable; values as YAML; over --params)."),
+    ] = [],  # noqa: B006 (typer reads it as the option's default; nothing mutates it)
     verbose: Verbose = False,
     debug: Debug = False,
 ) -> None:
@@ -152,23 +171,49 @@ def run(
 
     with console.session(verbose) as say:
         summary = finetune(params)
-        say.result({"test accuracy": f"{summary['test_accuracy']:.4f}", "promoted": "yes" if summary["promoted"] else "no",
-                    "run id": summary["run_id"], "artifacts": summary["run_dir"], "report": f"{summary['run_dir']}/report/report.md"})
+        say.result(
+            {
+                "test accuracy": f"{summary['test_accuracy']:.4f}",
+                "promoted": "yes" if summary["promoted"] else "no",
+                "run id": summary["run_id"],
+                "artifacts": summary["run_dir"],
+                "report": f"{summary['run_dir']}/report/report.md",
+            }
+        )
 
 
 @app.command()
-def params(schema: Annotated[bool, typer.Option("--schema", help="The JSON schema (what the Prefect form is built from) instead.")] = False) -> None:
+def params(
+    schema: Annotated[
+        bool, typer.Option("--schema", help="The JSON schema (what the Prefect form is built from) instead.")
+    ] = False,
+) -> None:
     """run's parameters: the defaults as YAML for --params, each under its description."""
-    print(json.dumps(FinetuneParams.model_json_schema(), indent=2) if schema else as_yaml(FinetuneParams), end="\n" if schema else "")
+    print(
+        json.dumps(FinetuneParams.model_json_schema(), indent=2) if schema else as_yaml(FinetuneParams),
+        end="\n" if schema else "",
+    )
 
 
 @app.command()
 def infer(
-    model_uri: Annotated[str, typer.Argument(metavar="MODEL", help="A model folder (local or s3://), or models/<name>@champion: the "
-                                                                   "registry's champion under --storage-root.")],
-    input_uri: Annotated[list[str], typer.Argument(metavar="INPUT", help="Files, folders or globs to label (local or s3://).")],
-    output_uri: Annotated[str, typer.Argument(metavar="OUTPUT", help="Where the Parquet predictions go: a new folder, or one an "
-                                                                     "earlier ftflow job wrote.")],
+    model_uri: Annotated[
+        str,
+        typer.Argument(
+            metavar="MODEL",
+            help="A model folder (local or s3://), or models/<name>@champion: the "
+            "registry's champion under --storage-root.",
+        ),
+    ],
+    input_uri: Annotated[
+        list[str], typer.Argument(metavar="INPUT", help="Files, folders or globs to label (local or s3://).")
+    ],
+    output_uri: Annotated[
+        str,
+        typer.Argument(
+            metavar="OUTPUT", help="Where the Parquet predictions go: a new folder, or one an earlier ftflow job wrote."
+        ),
+    ],
     text_column: Annotated[str, typer.Option(help="The column holding the text.")] = "text",
     id_column: Annotated[str | None, typer.Option(help=about("id_column"))] = None,
     batch_size: Annotated[int, typer.Option(help="Rows per forward pass.")] = 64,
@@ -179,14 +224,18 @@ def infer(
     wait_for_actors_s: Annotated[float | None, typer.Option(help=about("wait_for_actors_s"))] = None,
     timeout_s: Annotated[float | None, typer.Option(help=about("timeout_s"))] = None,
     ray_address: Annotated[str | None, typer.Option(help=about("ray_address", FinetuneParams))] = None,
-    storage_root: Annotated[str | None, typer.Option(help="Where models/ is; default: FTFLOW_STORAGE_ROOT or ./artifacts.")] = None,
+    storage_root: Annotated[
+        str | None, typer.Option(help="Where models/ is; default: FTFLOW_STORAGE_ROOT or ./artifacts.")
+    ] = None,
     verbose: Verbose = False,
     debug: Debug = False,
 ) -> None:
     """Label every row of INPUT with MODEL: the batch_infer flow; Parquet (id, text, label, score) in OUTPUT."""
     given = {name: value for name, value in locals().items() if name not in ("verbose", "debug") and value is not None}
     given["input_uri"] = input_uri if len(input_uri) > 1 else input_uri[0]
-    cfg = InferenceConfig.model_validate({name: value for name, value in given.items() if name in InferenceConfig.model_fields})
+    cfg = InferenceConfig.model_validate(
+        {name: value for name, value in given.items() if name in InferenceConfig.model_fields}
+    )
     from tasks.checks import inference_inputs, inference_model  # the flow's own checks, before anything starts
 
     inference_inputs(inference_model(model_uri, storage_root or default_storage_root()), cfg, output_uri)
@@ -219,7 +268,10 @@ def local_stack():
 
 @app.command(name="new-data")
 def new_data(
-    train_uri: Annotated[str, typer.Argument(metavar="TRAIN_URI", help="The new training data: files, a folder or a glob (local or s3://).")],
+    train_uri: Annotated[
+        str,
+        typer.Argument(metavar="TRAIN_URI", help="The new training data: files, a folder or a glob (local or s3://)."),
+    ],
 ) -> None:
     """Tell the Prefect server at PREFECT_API_URL that new training data is there: finetune/retrain trains on it.
 
@@ -229,8 +281,10 @@ def new_data(
     from tasks.events import DATA_ARRIVED, data_arrived
 
     if not PREFECT_API_URL.value():
-        raise BadInput("PREFECT_API_URL is not set: the event goes to the Prefect server the deployments are served from "
-                       "(`ftflow stack up` prints it)")
+        raise BadInput(
+            "PREFECT_API_URL is not set: the event goes to the Prefect server the deployments are served from "
+            "(`ftflow stack up` prints it)"
+        )
     data_arrived(train_uri)
     print(f"{DATA_ARRIVED}: {train_uri} (to {PREFECT_API_URL.value()})")
 
@@ -238,7 +292,9 @@ def new_data(
 @app.command()
 def deploy(
     pool: Annotated[str, typer.Option(help="The Prefect work pool that runs the flows.")],
-    image: Annotated[str | None, typer.Option(help="For pools that start a container per run: the image holding ftflow.")] = None,
+    image: Annotated[
+        str | None, typer.Option(help="For pools that start a container per run: the image holding ftflow.")
+    ] = None,
 ) -> None:
     """Register the deployments (deployments/definitions.py) with a work pool of the server at PREFECT_API_URL.
 
@@ -257,7 +313,9 @@ def deploy(
 @app.command()
 def doctor(
     ray_address: Annotated[str | None, typer.Option(help=about("ray_address", FinetuneParams))] = None,
-    storage_root: Annotated[str | None, typer.Option(help="The storage root to check; default: FTFLOW_STORAGE_ROOT or ./artifacts.")] = None,
+    storage_root: Annotated[
+        str | None, typer.Option(help="The storage root to check; default: FTFLOW_STORAGE_ROOT or ./artifacts.")
+    ] = None,
     verbose: Verbose = False,
     debug: Debug = False,
 ) -> None:
@@ -294,12 +352,15 @@ def main(argv: list[str] | None = None) -> None:
     except click.exceptions.ClickException as error:  # usage: an unknown option, a missing argument
         console.error(f"{command_name(argv)}: {error.format_message()} (see --help)")
         sys.exit(2)
-    except Exception as error:  # noqa: BLE001: every failure ends as one line, its traceback only when asked
+    except Exception as error:  # noqa: BLE001 -- every failure ends as one line, its traceback only when asked
         bad = isinstance(error, (BadInput, *BAD_INPUT))
         if "--debug" in argv:
             console.error(traceback.format_exc().rstrip())
         else:
-            console.error(f"{command_name(argv)}: {first_line(error)}" + ("" if bad else f" ({type(error).__name__}; --debug for the traceback)"))
+            console.error(
+                f"{command_name(argv)}: {first_line(error)}"
+                + ("" if bad else f" ({type(error).__name__}; --debug for the traceback)")
+            )
         sys.exit(2 if bad else 1)
     sys.exit(exit_code)
 

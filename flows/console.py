@@ -61,8 +61,12 @@ class Status(ProgressColumn):
         of = f"/{task.total:,.0f}" if task.total is not None else ""
         left = task.time_remaining
         eta = f"  ETA {timedelta(seconds=round(left))}" if left is not None and not task.finished else ""
-        return Text(f"{task.completed:,.0f}{of} {task.fields['unit']}  {timedelta(seconds=round(task.elapsed or 0))}{eta}  "
-                    f"{task.fields['words']}", no_wrap=True, overflow="ellipsis")
+        return Text(
+            f"{task.completed:,.0f}{of} {task.fields['unit']}  {timedelta(seconds=round(task.elapsed or 0))}{eta}  "
+            f"{task.fields['words']}",
+            no_wrap=True,
+            overflow="ellipsis",
+        )
 
 
 class Terminal(logging.Handler):
@@ -83,7 +87,9 @@ class Terminal(logging.Handler):
         elif (marks := getattr(record, STAGE, None)) is not None:
             event, stage = marks
             if event == "end" and (bar := self.stage_bars.get(stage)) is not None:
-                self.bars.update(bar, completed=self.bars.tasks[bar].total)  # the last tick may come before the last step
+                self.bars.update(
+                    bar, completed=self.bars.tasks[bar].total
+                )  # the last tick may come before the last step
             self.console.print(Text(f"{'▶' if event == 'start' else '✓'} {record.getMessage()}", style="bold"))
         else:
             style = {logging.WARNING: "yellow", logging.ERROR: "red"}.get(record.levelno, "dim")
@@ -132,9 +138,15 @@ def session(verbose: bool) -> Iterator[Say]:
         return
     log_file = Path(tempfile.mkdtemp(prefix="ftflow-")) / f"{time.strftime('%Y%m%d-%H%M%S')}.log"
     console = redirect(log_file)
-    bars = Progress(TextColumn("  {task.description}", table_column=Column(no_wrap=True, min_width=17)), BarColumn(bar_width=24),
-                    Status(), console=console, disable=not console.is_terminal,  # a pipe gets the lines only
-                    redirect_stdout=False, redirect_stderr=False)  # Python's prints (Ray's workers') stay in the log
+    bars = Progress(
+        TextColumn("  {task.description}", table_column=Column(no_wrap=True, min_width=17)),
+        BarColumn(bar_width=24),
+        Status(),
+        console=console,
+        disable=not console.is_terminal,  # a pipe gets the lines only
+        redirect_stdout=False,
+        redirect_stderr=False,
+    )  # Python's prints (Ray's workers') stay in the log
     terminal, say = Terminal(console, bars), Say(console, bars)
     for name in RUN_LOGGERS:
         logging.getLogger(name).addHandler(terminal)

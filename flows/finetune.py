@@ -12,8 +12,8 @@ from tasks.evaluate import evaluate
 from tasks.infer import predict_files
 from tasks.manifest import write_manifest
 from tasks.progress import RUN_DIR
-from tasks.reaper import reap_on_exit
 from tasks.promote import promote
+from tasks.reaper import reap_on_exit
 from tasks.report import Stopwatch, publish_report
 from tasks.storage import RunStore, refuse_overlap
 from tasks.tokenize import load_tokenizer, tokenize, tokenize_key
@@ -36,44 +36,81 @@ def finetune(params: FinetuneParams = FinetuneParams()) -> dict:
     logger = get_run_logger()
     took = Stopwatch(logger)
     store = RunStore(params.storage_root, params.run_id or new_run_id())
-    inputs = run_inputs(params, store)  # bad input stops here, before Ray (`ftflow run` checked it before Prefect started)
+    # Bad input stops here, before Ray (`ftflow run` checked it before Prefect started).
+    inputs = run_inputs(params, store)
     check_parallelism(params.train, params.model)
-    key = tokenize_key(inputs.splits, load_tokenizer(params.model.name_or_path), params.model.max_length, params.storage_root)
+    key = tokenize_key(
+        inputs.splits, load_tokenizer(params.model.name_or_path), params.model.max_length, params.storage_root
+    )
     refuse_overlap([key.target], inputs.read(params))
-    cluster.refuse_local_paths({"storage_root": [params.storage_root], **inputs.by_field()}, params.storage_shared, params.ray_address)
-    check_training_plan(params.model, params.data.label_names, params.train, params.ray_address)  # against the cluster, before tokenizing
+    cluster.refuse_local_paths(
+        {"storage_root": [params.storage_root], **inputs.by_field()}, params.storage_shared, params.ray_address
+    )
+    # The plan against the cluster, before tokenizing.
+    check_training_plan(params.model, params.data.label_names, params.train, params.ray_address)
     logger.info("run %s in %s", store.run_id, store.base, extra={RUN_DIR: store.base})
 
     with took("tokenize"):
         tokenized = tokenize.with_options(refresh_cache=not key.shards_exist())(
-            key, inputs.splits, params.model.name_or_path, params.ray_address)
+            key, inputs.splits, params.model.name_or_path, params.ray_address
+        )
     with took("train"):
-        training = train.with_options(timeout_seconds=params.train.timeout_s)(tokenized, params.model, params.data.label_names, params.train, store.base, params.ray_address)
+        training = train.with_options(timeout_seconds=params.train.timeout_s)(
+            tokenized, params.model, params.data.label_names, params.train, store.base, params.ray_address
+        )
     with took("evaluate"):
         metrics = evaluate(store.model_dir, inputs.splits["test"], store.metrics, params.ray_address)
     with took("promote"):
-        promotion = promote(store.model_dir, metrics, inputs.splits["test"], params.promotion, params.storage_root, store.run_id,
-                            params.ray_address)
+        promotion = promote(
+            store.model_dir,
+            metrics,
+            inputs.splits["test"],
+            params.promotion,
+            params.storage_root,
+            store.run_id,
+            params.ray_address,
+        )
     with took("batch inference"):
-        predictions = predict_files.with_options(timeout_seconds=inputs.inference.timeout_s)(store.model_dir, inputs.inference, store.predictions, params.ray_address)
+        predictions = predict_files.with_options(timeout_seconds=inputs.inference.timeout_s)(
+            store.model_dir, inputs.inference, store.predictions, params.ray_address
+        )
 
     took.fixed_costs(training.first_step_at)
     config = params.model_dump(mode="json")
-    outputs = {"tokenized": tokenized, "checkpoints": store.train_dir, "model": store.model_dir, "metrics": store.metrics,
-               "predictions": predictions, "report": store.report, "manifest": store.manifest}
-    results = {"test": metrics, "training": training.model_dump(include={"history", "curve", "nodes", "strategy"}), "promotion": promotion}
+    outputs = {
+        "tokenized": tokenized,
+        "checkpoints": store.train_dir,
+        "model": store.model_dir,
+        "metrics": store.metrics,
+        "predictions": predictions,
+        "report": store.report,
+        "manifest": store.manifest,
+    }
+    results = {
+        "test": metrics,
+        "training": training.model_dump(include={"history", "curve", "nodes", "strategy"}),
+        "promotion": promotion,
+    }
     publish_report(store, config, inputs.splits, outputs, results, took.seconds)
     write_manifest(
         store.manifest,
         config=config,
         cluster=training.cluster,
-        data={"splits": {n: {"uris": list(s.uris), "sha256": s.sha256, "rows": s.total_rows} for n, s in inputs.splits.items()},
-              "tokenize_key": key.model_dump()},
+        data={
+            "splits": {
+                n: {"uris": list(s.uris), "sha256": s.sha256, "rows": s.total_rows} for n, s in inputs.splits.items()
+            },
+            "tokenize_key": key.model_dump(),
+        },
         outputs=outputs,
         metrics=results,
         seconds=took.seconds,
     )
     track(params, store, results, took.seconds)  # to MLflow; a warning, never a failure, when it cannot
-    return {"run_id": store.run_id, "run_dir": store.base, "test_accuracy": metrics["accuracy"], "metrics": metrics,
-            "promoted": promotion["promoted"]}
-
+    return {
+        "run_id": store.run_id,
+        "run_dir": store.base,
+        "test_accuracy": metrics["accuracy"],
+        "metrics": metrics,
+        "promoted": promotion["promoted"],
+    }

@@ -43,7 +43,9 @@ def splits_of(cfg: DataConfig) -> dict[str, Split]:
     """load_splits, once per process while the files are unchanged (fsspec's ukey: size and mtime, or
     the ETag): `ftflow run` checks the data before Prefect starts, and its flow, in the same process,
     does not then read and hash a large corpus a second time."""
-    files = tuple(tuple((uri, storage.fingerprint(uri)) for uri in expand_inputs(getattr(cfg, f"{name}_uri"))) for name in SPLITS)
+    files = tuple(
+        tuple((uri, storage.fingerprint(uri)) for uri in expand_inputs(getattr(cfg, f"{name}_uri"))) for name in SPLITS
+    )
     return dict(_checked_splits(cfg.model_dump_json(), files))
 
 
@@ -66,7 +68,10 @@ class RunInputs:
 
     def by_field(self) -> dict[str, list[str]]:
         """The files read, by the field that named them."""
-        return {**{f"data.{name}": list(split.uris) for name, split in self.splits.items()}, "inference.input_uri": self.to_label}
+        return {
+            **{f"data.{name}": list(split.uris) for name, split in self.splits.items()},
+            "inference.input_uri": self.to_label,
+        }
 
 
 def run_inputs(params: FinetuneParams, store: RunStore | None) -> RunInputs:
@@ -74,9 +79,15 @@ def run_inputs(params: FinetuneParams, store: RunStore | None) -> RunInputs:
     files to label, the storage root, and, once the run's id is known, its folder."""
     splits = splits_of(params.data)
     training_model(params.model.name_or_path)
-    inference = params.inference.model_copy(update={"input_uri": params.inference.input_uri or list(splits["test"].uris),
-                                                     "text_column": params.inference.text_column or params.data.text_column})
-    inputs = RunInputs(splits, inference, unlabelled_files(inference.input_uri, inference.text_column, inference.id_column))
+    inference = params.inference.model_copy(
+        update={
+            "input_uri": params.inference.input_uri or list(splits["test"].uris),
+            "text_column": params.inference.text_column or params.data.text_column,
+        }
+    )
+    inputs = RunInputs(
+        splits, inference, unlabelled_files(inference.input_uri, inference.text_column, inference.id_column)
+    )
     check_writable(params.storage_root, "storage_root")
     if store is not None:
         store.check()  # and outputs that would overwrite what ftflow did not write
@@ -98,7 +109,9 @@ def inference_inputs(model_uri: str, cfg: InferenceConfig, output_uri: str) -> l
     if cfg.input_uri is None:
         raise ValueError("input_uri: no files to label")
     files = unlabelled_files(cfg.input_uri, cfg.text_column or "text", cfg.id_column)
-    refuse_overlap([output_uri], [model_uri, *([cfg.input_uri] if isinstance(cfg.input_uri, str) else cfg.input_uri), *files])
+    refuse_overlap(
+        [output_uri], [model_uri, *([cfg.input_uri] if isinstance(cfg.input_uri, str) else cfg.input_uri), *files]
+    )
     check_writable(output_uri, "output_uri")
     OutputFolder(output_uri).check()
     return files

@@ -42,8 +42,10 @@ def connect(address: str | None = None) -> None:
     if address and address.startswith("ray://"):
         # Tried (Ray 2.60): through Ray Client, Ray Data's executor fails at once ("'Worker' object
         # has no attribute 'core_worker'"), and the autoscaler's status in GCS is out of reach.
-        raise ValueError(f"ray_address {address}: Ray Client cannot run ftflow's stages (Ray Data needs a driver on the "
-                         "cluster); give the cluster's Job API instead, http://<head>:8265, and each stage runs there as a Ray Job")
+        raise ValueError(
+            f"ray_address {address}: Ray Client cannot run ftflow's stages (Ray Data needs a driver on the "
+            "cluster); give the cluster's Job API instead, http://<head>:8265, and each stage runs there as a Ray Job"
+        )
     if ray.is_initialized():
         return
     if not address:
@@ -52,15 +54,22 @@ def connect(address: str | None = None) -> None:
         logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
         # "local": a plain ray.init() joins the last `ray start` cluster on this machine, and hangs
         # when that one has stopped (its address file outlives it).
-        ray.init(address="local", num_cpus=(os.cpu_count() or 1) + DATA_CPUS, include_dashboard=False, configure_logging=False)
+        ray.init(
+            address="local",
+            num_cpus=(os.cpu_count() or 1) + DATA_CPUS,
+            include_dashboard=False,
+            configure_logging=False,
+        )
         return
     try:
         ray.init(address=address)
     except ConnectionError as error:  # Ray's own says "failed to connect", its cause says why
         if "token is missing or incorrect" not in str(error.__cause__):
             raise
-        raise ConnectionError(f"the Ray cluster at {address} refused this driver's token (or its lack of one): set "
-                              "RAY_AUTH_MODE=token and RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH to the cluster's token") from None
+        raise ConnectionError(
+            f"the Ray cluster at {address} refused this driver's token (or its lack of one): set "
+            "RAY_AUTH_MODE=token and RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH to the cluster's token"
+        ) from None
 
 
 def refuse_local_paths(paths: dict[str, list[str]], shared: bool, address: str | None) -> None:
@@ -82,8 +91,10 @@ def refuse_local_paths(paths: dict[str, list[str]], shared: bool, address: str |
         if not grows and len(nodes) == 1 and nodes[0]["NodeManagerAddress"] == here:
             return
         where = f"the Ray cluster has {len(nodes)} node(s){' and an autoscaler that adds more' if grows else ''}, which"
-    raise ValueError(f"{local[0]} is a local path, but {where} do not all share this machine's disk: use object storage "
-                     "(s3://...), or set storage_shared=true if every node mounts it at the same path")
+    raise ValueError(
+        f"{local[0]} is a local path, but {where} do not all share this machine's disk: use object storage "
+        "(s3://...), or set storage_shared=true if every node mounts it at the same path"
+    )
 
 
 def autoscaled() -> bool:
@@ -97,15 +108,23 @@ def autoscaled() -> bool:
 
     status = json.loads(_internal_kv_get(ray_constants.DEBUG_AUTOSCALING_STATUS) or "{}")
     report = status.get("autoscaler_report") or {}
-    node_types = {*report.get("active_nodes", {}), *(report.get("idle_nodes") or {}), *report.get("pending_launches", {})}
+    node_types = {
+        *report.get("active_nodes", {}),
+        *(report.get("idle_nodes") or {}),
+        *report.get("pending_launches", {}),
+    }
     return any(not name.startswith("node_") for name in node_types) or is_autoscaler_v2(fetch_from_server=True)
 
 
 def describe() -> dict:
     """The cluster this process is connected to, as a run's manifest records it."""
     resources = Resources.of_cluster()
-    return {"gcs_address": ray.get_runtime_context().gcs_address, "nodes": len(ray.nodes()),
-            "cpus": resources.cpus, "gpus": resources.gpus}
+    return {
+        "gcs_address": ray.get_runtime_context().gcs_address,
+        "nodes": len(ray.nodes()),
+        "cpus": resources.cpus,
+        "gpus": resources.gpus,
+    }
 
 
 def groups_on_nodes(workers: int, group: int, cpus_per_worker: float, use_gpu: bool) -> list[dict[str, str]] | None:
@@ -125,11 +144,15 @@ def groups_on_nodes(workers: int, group: int, cpus_per_worker: float, use_gpu: b
 
     selectors: list[dict[str, str]] = []
     for node in sorted(nodes, key=groups_held, reverse=True):
-        selectors += [{NODE_ID_LABEL_KEY: node["NodeID"]}] * (group * min(groups_held(node), (workers - len(selectors)) // group))
+        selectors += [{NODE_ID_LABEL_KEY: node["NodeID"]}] * (
+            group * min(groups_held(node), (workers - len(selectors)) // group)
+        )
     if len(selectors) < workers:
         device = "GPU" if use_gpu else f"{cpus_per_worker:g} CPU"
-        raise ValueError(f"tensor_parallel_size={group}: the Ray cluster's nodes hold {len(selectors) // group} group(s) of {group} workers "
-                         f"of {device} each, and the run needs {workers // group}: use fewer workers or a smaller tensor_parallel_size")
+        raise ValueError(
+            f"tensor_parallel_size={group}: the Ray cluster's nodes hold {len(selectors) // group} group(s) of {group} workers "
+            f"of {device} each, and the run needs {workers // group}: use fewer workers or a smaller tensor_parallel_size"
+        )
     return selectors
 
 
@@ -146,8 +169,12 @@ class Resources:
     def of_cluster(cls) -> Resources:
         """The cluster's CPUs less DATA_CPUS, its GPUs, and whether an autoscaler serves it."""
         total, nodes = ray.cluster_resources(), [node for node in ray.nodes() if node["Alive"]]
-        return cls(cpus=max(0.0, total.get("CPU", 0.0) - DATA_CPUS), gpus=int(total.get("GPU", 0)),
-                   node_cpus=max((node["Resources"].get("CPU", 0.0) for node in nodes), default=0.0), can_grow=autoscaled())
+        return cls(
+            cpus=max(0.0, total.get("CPU", 0.0) - DATA_CPUS),
+            gpus=int(total.get("GPU", 0)),
+            node_cpus=max((node["Resources"].get("CPU", 0.0) for node in nodes), default=0.0),
+            can_grow=autoscaled(),
+        )
 
     def task_cpus(self) -> int:
         """CPUs for one task that uses as many as it may (evaluation): ftflow's share of the cluster,
@@ -158,7 +185,9 @@ class Resources:
         """auto: GPUs when the cluster has some now (an autoscaler reports no node types' maxima, so a
         GPU group scaled to zero is asked for with device=gpu)."""
         if device == "gpu" and not self.gpus and not self.can_grow:
-            raise ValueError("device=gpu but the Ray cluster has no GPU, and no autoscaler to add one: use device=cpu or auto")
+            raise ValueError(
+                "device=gpu but the Ray cluster has no GPU, and no autoscaler to add one: use device=cpu or auto"
+            )
         return device == "gpu" or (device == "auto" and self.gpus > 0)
 
     def count(self, requested: int | None, fits: int, what: str, unit: str) -> int:
@@ -167,13 +196,20 @@ class Resources:
         if requested is None:
             return max(1, fits)
         if requested > max(fits, 1) and not self.can_grow:
-            raise ValueError(f"{what}={requested} but the Ray cluster fits {fits} ({unit}), and no autoscaler serves it to add nodes")
+            raise ValueError(
+                f"{what}={requested} but the Ray cluster fits {fits} ({unit}), and no autoscaler serves it to add nodes"
+            )
         return requested
 
     def training_workers(self, requested: int | None, cpus_per_worker: float, use_gpu: bool) -> int:
         if use_gpu:
             return self.count(requested, self.gpus, "num_workers", f"{self.gpus} GPUs")
-        return self.count(requested, int(self.cpus // cpus_per_worker), "num_workers", f"{self.cpus:g} CPUs at {cpus_per_worker:g} per worker")
+        return self.count(
+            requested,
+            int(self.cpus // cpus_per_worker),
+            "num_workers",
+            f"{self.cpus:g} CPUs at {cpus_per_worker:g} per worker",
+        )
 
     def inference_actors(self, requested: int | None, use_gpu: bool) -> tuple[int, float, int]:
         """(actors, CPUs per actor, GPUs per actor): one per GPU, else one per CPU, each CPU actor

@@ -53,8 +53,10 @@ Device = Literal["auto", "cpu", "gpu"]
 DEVICE = "auto: GPUs when the Ray cluster has some now; gpu: ask for them (an autoscaler adds GPU nodes); cpu: never."
 DataFormat = Literal["auto", "jsonl", "csv", "tsv", "parquet"]
 SplitInputs = str | list[str]
-SPLIT_INPUTS = ("A file, a directory (every data file under it) or a glob, as a local path or fsspec URI (s3://...); "
-                "or a list of them. Rows are numbered through the files in sorted order.")
+SPLIT_INPUTS = (
+    "A file, a directory (every data file under it) or a glob, as a local path or fsspec URI (s3://...); "
+    "or a list of them. Rows are numbered through the files in sorted order."
+)
 
 
 class Strict(BaseModel):
@@ -71,8 +73,10 @@ class Strict(BaseModel):
         for key in given if isinstance(given, dict) else ():
             if key not in cls.model_fields:
                 close = difflib.get_close_matches(str(key), cls.model_fields, n=1)
-                raise ValueError(f"unknown parameter '{key}': " + (f"did you mean '{close[0]}'?" if close else
-                                                                  f"the known ones are {', '.join(cls.model_fields)}"))
+                raise ValueError(
+                    f"unknown parameter '{key}': "
+                    + (f"did you mean '{close[0]}'?" if close else f"the known ones are {', '.join(cls.model_fields)}")
+                )
         return given
 
 
@@ -85,8 +89,10 @@ def first_line(error: BaseException) -> str:
 def one_line(error: ValidationError) -> str:
     """A parameter error as one line per problem, each naming where: `train: unknown parameter 'epoch':
     did you mean 'epochs'?` rather than pydantic's block with a documentation link."""
-    return "; ".join(": ".join(filter(None, [".".join(map(str, problem["loc"])), problem["msg"].removeprefix("Value error, ")]))
-                     for problem in error.errors())
+    return "; ".join(
+        ": ".join(filter(None, [".".join(map(str, problem["loc"])), problem["msg"].removeprefix("Value error, ")]))
+        for problem in error.errors()
+    )
 
 
 class DataConfig(Strict):
@@ -132,124 +138,238 @@ AUTO_CHOOSES = ("zero_stage", "offload_optimizer", "offload_params", "tensor_par
 class TrainConfig(Strict):
     """Training, with every DeepSpeed memory and speed feature; tasks/train.py derives the DeepSpeed JSON."""
 
-    num_workers: int | None = Field(None, ge=1, description="Ray Train workers, a request the cluster is asked to satisfy (an autoscaler "
-                                                         "adds nodes for it); default: one per GPU, else one per cpus_per_worker CPUs, it has now.")
+    num_workers: int | None = Field(
+        None,
+        ge=1,
+        description="Ray Train workers, a request the cluster is asked to satisfy (an autoscaler "
+        "adds nodes for it); default: one per GPU, else one per cpus_per_worker CPUs, it has now.",
+    )
     device: Device = Field("auto", description=DEVICE)
-    cpus_per_worker: float | None = Field(None, gt=0, description="CPUs per worker (torch threads: its whole part, at least 1); default: "
-                                                                   "on one machine's CPUs all it gives ftflow (shared among num_workers when "
-                                                                   "set), else 1.")
+    cpus_per_worker: float | None = Field(
+        None,
+        gt=0,
+        description="CPUs per worker (torch threads: its whole part, at least 1); default: "
+        "on one machine's CPUs all it gives ftflow (shared among num_workers when "
+        "set), else 1.",
+    )
     strategy: Literal["manual", "auto"] = Field(
-        "manual", description="auto: ftflow sets zero_stage, offload, tensor_parallel_size and pipeline_parallel_size to the fastest strategy whose "
-                              "estimated memory fits a worker (memory_per_worker_gb), and logs and records why; manual: as set here.")
-    memory_per_worker_gb: float | None = Field(None, gt=0, description="For strategy=auto: the memory one worker may use; default: "
-                                                                      "its GPU's, or on CPUs its share of its node's memory.")
+        "manual",
+        description="auto: ftflow sets zero_stage, offload, tensor_parallel_size and pipeline_parallel_size to the fastest strategy whose "
+        "estimated memory fits a worker (memory_per_worker_gb), and logs and records why; manual: as set here.",
+    )
+    memory_per_worker_gb: float | None = Field(
+        None,
+        gt=0,
+        description="For strategy=auto: the memory one worker may use; default: "
+        "its GPU's, or on CPUs its share of its node's memory.",
+    )
     zero_stage: Literal[0, 1, 2, 3] = Field(
         0,
         description="DeepSpeed ZeRO: 0 replicates the model (fastest while it fits: 16 bytes per fp32 parameter); "
-                    "1 shards optimizer state, 2 also gradients, 3 also parameters (less memory, slower).",
+        "1 shards optimizer state, 2 also gradients, 3 also parameters (less memory, slower).",
     )
-    offload_optimizer: bool = Field(False, description="Keep optimizer state in CPU memory (DeepSpeedCPUAdam); ZeRO 1-3.")
+    offload_optimizer: bool = Field(
+        False, description="Keep optimizer state in CPU memory (DeepSpeedCPUAdam); ZeRO 1-3."
+    )
     offload_params: bool = Field(False, description="Keep parameters in CPU memory between uses; ZeRO 3 only.")
-    tensor_parallel_size: int = Field(1, ge=1, description="Workers that split every encoder layer's matrices between them (DeepSpeed "
-                                                           "AutoTP), for a model too large for one worker: the workers are this x data-"
-                                                           "parallel replicas, and each group of this many is placed on one node.")
-    pipeline_parallel_size: int = Field(1, ge=1, description="Pipeline stages the model is cut into, one per worker, with as many encoder "
-                                                             "layers each (DeepSpeed's pipeline engine; embeddings with the first, the "
-                                                             "classifier with the last), fed with micro-batches: the workers are this x "
-                                                             "data-parallel replicas. ZeRO 0-1.")
-    activation_checkpointing: bool = Field(False, description="Recompute activations in the backward pass instead of storing them.")
+    tensor_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="Workers that split every encoder layer's matrices between them (DeepSpeed "
+        "AutoTP), for a model too large for one worker: the workers are this x data-"
+        "parallel replicas, and each group of this many is placed on one node.",
+    )
+    pipeline_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="Pipeline stages the model is cut into, one per worker, with as many encoder "
+        "layers each (DeepSpeed's pipeline engine; embeddings with the first, the "
+        "classifier with the last), fed with micro-batches: the workers are this x "
+        "data-parallel replicas. ZeRO 0-1.",
+    )
+    activation_checkpointing: bool = Field(
+        False, description="Recompute activations in the backward pass instead of storing them."
+    )
     activation_offload: bool = Field(False, description="Move saved activations to CPU memory (GPU only).")
     precision: Literal["auto", "fp32", "fp16", "bf16"] = Field("auto", description="auto: bf16 on GPU, fp32 on CPU.")
     epochs: int = Field(1, ge=1)
-    max_steps: int | None = Field(None, ge=1, description="Stop after this many optimizer steps (the learning-rate schedule ends there too); "
-                                                          "default: every step of every epoch.")
+    max_steps: int | None = Field(
+        None,
+        ge=1,
+        description="Stop after this many optimizer steps (the learning-rate schedule ends there too); "
+        "default: every step of every epoch.",
+    )
     batch_size: int = Field(32, ge=1, description="Global batch: micro_batch_size x gradient accumulation x workers.")
-    micro_batch_size: int | None = Field(None, ge=1, description="Per worker and step; default: batch_size / workers (no accumulation).")
+    micro_batch_size: int | None = Field(
+        None, ge=1, description="Per worker and step; default: batch_size / workers (no accumulation)."
+    )
     # 2e-4 by validation accuracy, all-MiniLM-L6-v2 on Rotten Tomatoes, 1 epoch, seeds 42 and 1:
     # 0.8330 and 0.8180 (1e-4: 0.8189 and 0.8236; 5e-5: 0.8133; 3e-4: 0.8236, seed 42 only).
-    learning_rate: float = Field(2e-4, gt=0, description="Peak learning rate, after linear warm-up; then linear decay to 0.")
+    learning_rate: float = Field(
+        2e-4, gt=0, description="Peak learning rate, after linear warm-up; then linear decay to 0."
+    )
     warmup_ratio: float = Field(0.1, ge=0, lt=1)
     weight_decay: float = Field(0.01, ge=0, description="AdamW decay of weight matrices (not of biases and norms).")
     max_grad_norm: float = Field(1.0, ge=0, description="Gradient clipping; 0 disables it.")
     seed: int = 42
-    log_every_steps: int = Field(10, ge=1, description="Training loss and accuracy are averaged over every N optimizer steps for the report's curve.")
-    eval_every_steps: int = Field(100, ge=0, description="Also evaluate on the validation split every N optimizer steps (0: at epoch ends only).")
-    checkpoint_every_steps: int = Field(0, ge=0, description="Also checkpoint the DeepSpeed state every N optimizer steps (0: at epoch ends only).")
-    shuffle_buffer_rows: int = Field(2048, ge=1, description="Training rows a worker shuffles among each epoch, after one seeded shuffle of the whole split.")
-    length_group_batches: int = Field(50, ge=1, description="Length grouping: the rows of this many micro-batches are drawn at a time, "
-                                                            "sorted by length and cut into micro-batches that train in a seeded random "
-                                                            "order, so a batch pads little (as the HF Trainer's group_by_length); 1: off.")
-    prefetch_batches: int = Field(1, ge=0, description="Micro-batches a worker prepares ahead: with its length group and the shuffle buffer, "
-                                                      "what its data costs in memory, whatever the corpus size.")
-    wait_for_workers_s: float = Field(600, gt=0, description="How long the cluster may take to make room for every worker "
-                                                             "(nodes to start) before the run fails saying what did not come.")
+    log_every_steps: int = Field(
+        10,
+        ge=1,
+        description="Training loss and accuracy are averaged over every N optimizer steps for the report's curve.",
+    )
+    eval_every_steps: int = Field(
+        100, ge=0, description="Also evaluate on the validation split every N optimizer steps (0: at epoch ends only)."
+    )
+    checkpoint_every_steps: int = Field(
+        0, ge=0, description="Also checkpoint the DeepSpeed state every N optimizer steps (0: at epoch ends only)."
+    )
+    shuffle_buffer_rows: int = Field(
+        2048,
+        ge=1,
+        description="Training rows a worker shuffles among each epoch, after one seeded shuffle of the whole split.",
+    )
+    length_group_batches: int = Field(
+        50,
+        ge=1,
+        description="Length grouping: the rows of this many micro-batches are drawn at a time, "
+        "sorted by length and cut into micro-batches that train in a seeded random "
+        "order, so a batch pads little (as the HF Trainer's group_by_length); 1: off.",
+    )
+    prefetch_batches: int = Field(
+        1,
+        ge=0,
+        description="Micro-batches a worker prepares ahead: with its length group and the shuffle buffer, "
+        "what its data costs in memory, whatever the corpus size.",
+    )
+    wait_for_workers_s: float = Field(
+        600,
+        gt=0,
+        description="How long the cluster may take to make room for every worker "
+        "(nodes to start) before the run fails saying what did not come.",
+    )
     max_failures: int = Field(2, ge=0, description="Worker failures survived by restarting from the last checkpoint.")
-    timeout_s: float | None = Field(None, gt=0, description="Fail training that runs longer than this, workers stopped "
-                                                            "(the same run_id again resumes from its last checkpoint); default: none.")
-    stall_warning_s: float | None = Field(None, gt=0, description="When no worker has shown progress for this long, write a stall "
-                                                                  "report (stacks of every worker, GPUs, the cluster) under the run's "
-                                                                  "stall/ and warn; the run goes on. Default: 300 s, then 20 x the "
-                                                                  "recent step time (at least 30 s) once steps flow.")
-    collective_timeout_s: float = Field(600, gt=0, description="How long a collective (all-reduce, broadcast) waits for every worker "
-                                                               "before the workers fail and Ray Train retries them (Ray's default: 30 min).")
+    timeout_s: float | None = Field(
+        None,
+        gt=0,
+        description="Fail training that runs longer than this, workers stopped "
+        "(the same run_id again resumes from its last checkpoint); default: none.",
+    )
+    stall_warning_s: float | None = Field(
+        None,
+        gt=0,
+        description="When no worker has shown progress for this long, write a stall "
+        "report (stacks of every worker, GPUs, the cluster) under the run's "
+        "stall/ and warn; the run goes on. Default: 300 s, then 20 x the "
+        "recent step time (at least 30 s) once steps flow.",
+    )
+    collective_timeout_s: float = Field(
+        600,
+        gt=0,
+        description="How long a collective (all-reduce, broadcast) waits for every worker "
+        "before the workers fail and Ray Train retries them (Ray's default: 30 min).",
+    )
     deepspeed: dict = Field({}, description="Raw DeepSpeed JSON merged over the derived one, for experts.")
 
     @model_validator(mode="after")
     def _combinations(self) -> TrainConfig:
         # Against the defaults, not the fields given: a form (the UI's, a deployment's) sends every field.
-        chosen = [f"{name}={getattr(self, name)}" for name in AUTO_CHOOSES if getattr(self, name) != type(self).model_fields[name].default]
+        chosen = [
+            f"{name}={getattr(self, name)}"
+            for name in AUTO_CHOOSES
+            if getattr(self, name) != type(self).model_fields[name].default
+        ]
         if self.strategy == "auto" and chosen:
-            raise ValueError(f"strategy=auto chooses {', '.join(AUTO_CHOOSES)}, and {', '.join(chosen)} was set too: leave it out, "
-                             "or set strategy=manual")
+            raise ValueError(
+                f"strategy=auto chooses {', '.join(AUTO_CHOOSES)}, and {', '.join(chosen)} was set too: leave it out, "
+                "or set strategy=manual"
+            )
         if self.memory_per_worker_gb and self.strategy != "auto":
             raise ValueError("memory_per_worker_gb is read by strategy=auto only: set strategy=auto, or leave it out")
         if self.pipeline_parallel_size > 1:
             if self.tensor_parallel_size > 1:
-                raise ValueError("tensor_parallel_size and pipeline_parallel_size cannot both be above 1 (DeepSpeed combines them only "
-                                 "for Megatron models): choose one")
+                raise ValueError(
+                    "tensor_parallel_size and pipeline_parallel_size cannot both be above 1 (DeepSpeed combines them only "
+                    "for Megatron models): choose one"
+                )
             if self.zero_stage > 1 or self.offload_optimizer or self.activation_offload:
-                raise ValueError("pipeline_parallel_size needs zero_stage 0 or 1 without offload (DeepSpeed's pipeline engine shards "
-                                 "neither gradients nor parameters): set zero_stage=1, or pipeline_parallel_size=1")
+                raise ValueError(
+                    "pipeline_parallel_size needs zero_stage 0 or 1 without offload (DeepSpeed's pipeline engine shards "
+                    "neither gradients nor parameters): set zero_stage=1, or pipeline_parallel_size=1"
+                )
         if self.offload_params and self.zero_stage != 3:
-            raise ValueError("offload_params needs zero_stage=3 (only stage 3 partitions parameters): set zero_stage=3 or offload_params=false")
+            raise ValueError(
+                "offload_params needs zero_stage=3 (only stage 3 partitions parameters): set zero_stage=3 or offload_params=false"
+            )
         if self.offload_optimizer and self.zero_stage == 0:
             raise ValueError("offload_optimizer needs zero_stage 1, 2 or 3: set zero_stage or offload_optimizer=false")
         if self.micro_batch_size and self.batch_size % self.micro_batch_size:
-            raise ValueError(f"batch_size={self.batch_size} is not a multiple of micro_batch_size={self.micro_batch_size}")
+            raise ValueError(
+                f"batch_size={self.batch_size} is not a multiple of micro_batch_size={self.micro_batch_size}"
+            )
         return self
 
 
 InferencePrecision = Literal["auto", "fp32", "bf16"]
-INFERENCE_PRECISION = ("auto: bf16 on GPU, fp32 on CPU. bf16 on a CPU trades exactness for speed: a label may change where "
-                       "a row's two top scores nearly tie; all-MiniLM-L6-v2 ran 3.1x its fp32 speed on a CPU with AVX-512 bf16 "
-                       "(slower than fp32 on CPUs without it).")
+INFERENCE_PRECISION = (
+    "auto: bf16 on GPU, fp32 on CPU. bf16 on a CPU trades exactness for speed: a label may change where "
+    "a row's two top scores nearly tie; all-MiniLM-L6-v2 ran 3.1x its fp32 speed on a CPU with AVX-512 bf16 "
+    "(slower than fp32 on CPUs without it)."
+)
 
 
 class InferenceConfig(Strict):
     input_uri: str | list[str] | None = Field(
-        None, description="Files to label: files, directories or globs (local or s3://), or a list of them; default: the test split.")
+        None,
+        description="Files to label: files, directories or globs (local or s3://), or a list of them; default: the test split.",
+    )
     text_column: str | None = Field(None, description="Default: the data's text column.")
     id_column: str | None = Field(None, description="Column holding row ids; default: '<file>:<row>'.")
     batch_size: int = Field(64, ge=1)
-    actors: int | None = Field(None, ge=1, description="Model replicas, a request like train.num_workers; default: one per GPU, else one per CPU, it has now (one for fewer than 4,000 rows).")
+    actors: int | None = Field(
+        None,
+        ge=1,
+        description="Model replicas, a request like train.num_workers; default: one per GPU, else one per CPU, "
+        "it has now (one for fewer than 4,000 rows).",
+    )
     device: Device = Field("auto", description=DEVICE)
-    wait_for_actors_s: float = Field(600, gt=0, description="How long the cluster may take to start every replica before the run fails.")
-    window_rows: int = Field(WINDOW_ROWS, ge=1, description="Rows sorted by length and labelled together: with batch_size, bounds memory per actor.")
+    wait_for_actors_s: float = Field(
+        600, gt=0, description="How long the cluster may take to start every replica before the run fails."
+    )
+    window_rows: int = Field(
+        WINDOW_ROWS,
+        ge=1,
+        description="Rows sorted by length and labelled together: with batch_size, bounds memory per actor.",
+    )
     precision: InferencePrecision = Field("auto", description=INFERENCE_PRECISION)
-    timeout_s: float | None = Field(None, gt=0, description="Fail batch inference that runs longer than this, replicas stopped "
-                                                            "(nothing is marked complete); default: none.")
+    timeout_s: float | None = Field(
+        None,
+        gt=0,
+        description="Fail batch inference that runs longer than this, replicas stopped "
+        "(nothing is marked complete); default: none.",
+    )
 
 
 class PromotionConfig(Strict):
     """The gate after evaluation: which registry entry the model competes for, and how."""
 
-    model_name: SafeName = Field("sentiment",
-                                 description="Registry entry: <storage_root>/models/<name>/champion; batch_infer takes models/<name>@champion.")
-    metric: Literal["accuracy", "macro_f1"] = Field("accuracy", description="Test metric compared with the champion's, on the same test split.")
-    margin: float = Field(0.0, ge=-1, le=1, description="Promote when metric >= champion's + margin (negative: accept a small loss).")
-    min_score: float | None = Field(None, ge=0, le=1, description="The least test metric a model needs to be promoted, champion or "
-                                                                  "not. Default: more than always predicting the test split's majority "
-                                                                  "class scores (a model that learned nothing scores exactly that).")
+    model_name: SafeName = Field(
+        "sentiment",
+        description="Registry entry: <storage_root>/models/<name>/champion; batch_infer takes models/<name>@champion.",
+    )
+    metric: Literal["accuracy", "macro_f1"] = Field(
+        "accuracy", description="Test metric compared with the champion's, on the same test split."
+    )
+    margin: float = Field(
+        0.0, ge=-1, le=1, description="Promote when metric >= champion's + margin (negative: accept a small loss)."
+    )
+    min_score: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="The least test metric a model needs to be promoted, champion or "
+        "not. Default: more than always predicting the test split's majority "
+        "class scores (a model that learned nothing scores exactly that).",
+    )
 
 
 class FinetuneParams(Strict):
@@ -262,15 +382,27 @@ class FinetuneParams(Strict):
         default_factory=default_storage_root,
         description="Local folder or s3://bucket/prefix holding runs/, tokenized/ and models.",
     )
-    storage_shared: bool = Field(False, description="Local paths (storage_root, the data) are folders every Ray node mounts at the "
-                                                   "same path (NFS): allowed on a cluster of several nodes or reached as Ray Jobs.")
-    run_id: SafeName | None = Field(None, description="Default: a new id from the time and the flow run. "
-                                                      "Letters, digits, '.', '_', '-'; the same id resumes that run.")
-    ray_address: str | None = Field(None, description="An existing Ray cluster: from outside it, its Job API (http://<head>:8265: "
-                                                      "each stage runs there as a Ray Job); on its network, <head>:6379 or 'auto'. "
-                                                      "Default: RAY_ADDRESS, else a local Ray.")
+    storage_shared: bool = Field(
+        False,
+        description="Local paths (storage_root, the data) are folders every Ray node mounts at the "
+        "same path (NFS): allowed on a cluster of several nodes or reached as Ray Jobs.",
+    )
+    run_id: SafeName | None = Field(
+        None,
+        description="Default: a new id from the time and the flow run. "
+        "Letters, digits, '.', '_', '-'; the same id resumes that run.",
+    )
+    ray_address: str | None = Field(
+        None,
+        description="An existing Ray cluster: from outside it, its Job API (http://<head>:8265: "
+        "each stage runs there as a Ray Job); on its network, <head>:6379 or 'auto'. "
+        "Default: RAY_ADDRESS, else a local Ray.",
+    )
 
     def inputs(self) -> list[str]:
         """Every location the run reads, as given (files, folders, globs): outputs must stay apart."""
         given = [self.data.train_uri, self.data.validation_uri, self.data.test_uri, self.inference.input_uri or []]
-        return [self.model.name_or_path, *(uri for uris in given for uri in ([uris] if isinstance(uris, str) else uris))]
+        return [
+            self.model.name_or_path,
+            *(uri for uris in given for uri in ([uris] if isinstance(uris, str) else uris)),
+        ]

@@ -14,7 +14,7 @@ import io
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from itertools import accumulate
+from itertools import accumulate, pairwise
 from pathlib import PurePosixPath
 
 import pandas as pd
@@ -24,7 +24,14 @@ from tasks import storage
 from tasks.config import DataConfig
 
 SPLITS = ("train", "validation", "test")
-EXTENSIONS = {".jsonl": "jsonl", ".json": "jsonl", ".csv": "csv", ".tsv": "tsv", ".parquet": "parquet", ".pq": "parquet"}
+EXTENSIONS = {
+    ".jsonl": "jsonl",
+    ".json": "jsonl",
+    ".csv": "csv",
+    ".tsv": "tsv",
+    ".parquet": "parquet",
+    ".pq": "parquet",
+}
 SHOWN_ROWS = 5  # rows (or files) quoted in an error message
 CHUNK_ROWS = 10_000  # rows in memory at once per reader of a split's file
 PIECE_BYTES = 8 << 20  # the most of one file a worker task is given: pieces are what tasks balance
@@ -43,7 +50,9 @@ def file_format(uri: str, declared: str = "auto") -> str:
         return declared
     suffix = PurePosixPath(uri).suffix.lower()
     if suffix not in EXTENSIONS:
-        raise DataError(f"{uri}: cannot tell the format from '{suffix}'; name one of {sorted(set(EXTENSIONS.values()))}")
+        raise DataError(
+            f"{uri}: cannot tell the format from '{suffix}'; name one of {sorted(set(EXTENSIONS.values()))}"
+        )
     return EXTENSIONS[suffix]
 
 
@@ -94,7 +103,7 @@ def cut(uri: str, fmt: str = "auto", piece_bytes: int | None = None) -> list[Pie
         return [*pieces, Piece(uri, start, meta.num_row_groups, taken, file_row=first)]
     count = max(1, -(-size // piece_bytes)) if fmt == "jsonl" else 1
     bounds = [size * i // count for i in range(count + 1)]
-    return [Piece(uri, start, stop, stop - start) for start, stop in zip(bounds, bounds[1:])]
+    return [Piece(uri, start, stop, stop - start) for start, stop in pairwise(bounds)]
 
 
 class _Lines(io.RawIOBase):
@@ -120,7 +129,9 @@ class _Lines(io.RawIOBase):
         return len(taken)
 
 
-def iter_frames(uri: str, fmt: str = "auto", chunk_rows: int = 50_000, piece: Piece | None = None) -> Iterator[pd.DataFrame]:
+def iter_frames(
+    uri: str, fmt: str = "auto", chunk_rows: int = 50_000, piece: Piece | None = None
+) -> Iterator[pd.DataFrame]:
     """Stream a file, or one piece of it, as DataFrames of at most chunk_rows rows; text stays text
     (no type guessing)."""
     fmt = file_format(uri, fmt)
@@ -135,7 +146,9 @@ def iter_frames(uri: str, fmt: str = "auto", chunk_rows: int = 50_000, piece: Pi
             yield from pd.read_json(lines, lines=True, dtype=False, chunksize=chunk_rows, encoding=TEXT_ENCODING)
         else:
             sep = "\t" if fmt == "tsv" else ","
-            yield from pd.read_csv(f, sep=sep, dtype=str, keep_default_na=False, chunksize=chunk_rows, encoding=TEXT_ENCODING)
+            yield from pd.read_csv(
+                f, sep=sep, dtype=str, keep_default_na=False, chunksize=chunk_rows, encoding=TEXT_ENCODING
+            )
 
 
 def numbered(pieces: list[Piece], fmt: str = "auto") -> list[Piece]:
@@ -147,9 +160,11 @@ def numbered(pieces: list[Piece], fmt: str = "auto") -> list[Piece]:
         return pieces
     fs, path = storage.filesystem(pieces[0].uri)
     with fs.open(path, "rb") as f:
-        rows = [sum(1 for line in io.BufferedReader(_Lines(f, piece.start, piece.stop), 1 << 20) if line.strip())
-                for piece in pieces[:-1]]
-    return [replace(piece, file_row=first) for piece, first in zip(pieces, accumulate(rows, initial=0))]
+        rows = [
+            sum(1 for line in io.BufferedReader(_Lines(f, piece.start, piece.stop), 1 << 20) if line.strip())
+            for piece in pieces[:-1]
+        ]
+    return [replace(piece, file_row=first) for piece, first in zip(pieces, accumulate(rows, initial=0), strict=True)]
 
 
 def columns_of(uri: str, fmt: str = "auto") -> list[str] | None:
@@ -170,7 +185,9 @@ def unlabelled_files(uris: str | list[str], text_column: str, id_column: str | N
     files = expand_inputs(uris)
     for uri in files:
         columns = columns_of(uri)
-        missing = [column for column in (text_column, id_column) if column and columns is not None and column not in columns]
+        missing = [
+            column for column in (text_column, id_column) if column and columns is not None and column not in columns
+        ]
         if missing:
             raise DataError(f"{uri}: column '{missing[0]}' not found; columns are {columns}")
     return files
@@ -292,7 +309,9 @@ def _checked(uri: str, frame: pd.DataFrame, schema: Schema) -> pd.DataFrame:
     return pd.DataFrame({"text": texts, "label": _label_ids(uri, frame[schema.label_column], schema.label_names)})
 
 
-def labelled_frames(uri: str, schema: Schema, chunk_rows: int = CHUNK_ROWS, piece: Piece | None = None) -> Iterator[pd.DataFrame]:
+def labelled_frames(
+    uri: str, schema: Schema, chunk_rows: int = CHUNK_ROWS, piece: Piece | None = None
+) -> Iterator[pd.DataFrame]:
     """A file's rows (or a piece's), checked, as frames of (text, label id) indexed by the row
     number in the file."""
     seen = piece.file_row if piece else 0
@@ -333,5 +352,7 @@ def load_splits(cfg: DataConfig) -> dict[str, Split]:
     splits = {name: load_split(name, getattr(cfg, f"{name}_uri"), cfg) for name in SPLITS}
     if len(splits["train"].classes) < 2:
         only = cfg.label_names[next(iter(splits["train"].classes))]
-        raise DataError(f"{shown(splits['train'].uris)}: the training split has a single class ('{only}'); it needs at least two")
+        raise DataError(
+            f"{shown(splits['train'].uris)}: the training split has a single class ('{only}'); it needs at least two"
+        )
     return splits

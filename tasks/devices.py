@@ -18,8 +18,17 @@ from torch.overrides import TorchFunctionMode
 
 OURS = str(Path(__file__).resolve().parent)  # tasks/: the code that runs in the workers
 FACTORIES = {torch.tensor, torch.as_tensor, torch.zeros, torch.ones, torch.empty, torch.full, torch.arange}
-COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "reduce", "broadcast",
-               "all_to_all_single", "gather", "scatter")
+COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "reduce",
+    "broadcast",
+    "all_to_all_single",
+    "gather",
+    "scatter",
+)
 
 
 class HostDefaults(TorchFunctionMode):
@@ -54,8 +63,10 @@ def check_collectives(device: torch.device) -> None:
                 for each in (t for t in tensors if isinstance(t, torch.Tensor)):
                     if each.device != device or defaults.holds(each):
                         where = "made without a device" if each.device == device else f"on {each.device}"
-                        raise RuntimeError(f"torch.distributed.{name} got a {tuple(each.shape)} tensor {where}, and the worker trains on "
-                                           f"{device}: NCCL would refuse it")
+                        raise RuntimeError(
+                            f"torch.distributed.{name} got a {tuple(each.shape)} tensor {where}, and the worker trains on "
+                            f"{device}: NCCL would refuse it"
+                        )
             return collective(*args, **kwargs)
 
         return call

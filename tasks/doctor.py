@@ -38,7 +38,7 @@ MARKS = {"pass": "✓", "warn": "!", "skip": "-", "fail": "✗"}
 SEE_LOG = "Ray's and DeepSpeed's own output is in the log file named last (--verbose prints it)"
 FIXES = {
     "ray": "start the cluster, or set RAY_ADDRESS (--ray-address) to it: <head>:6379 on its network, http://<head>:8265 "
-           "(its Job API) from outside",
+    "(its Job API) from outside",
     "train": SEE_LOG,
     "all-reduce": f"{SEE_LOG}; on GPUs NCCL_DEBUG=INFO shows NCCL's set-up",
     "bf16": SEE_LOG,
@@ -60,8 +60,12 @@ class Check(BaseModel):
 
 
 def failed(name: str, error: BaseException) -> Check:
-    waited = "`ray status` shows what Ray waits for; " if isinstance(error, TimeoutError) and name != "ray" else ""  # connected, then waited
-    return Check(name=name, outcome="fail", detail=f"{type(error).__name__}: {first_line(error)}; fix: {waited}{FIXES[name]}")
+    waited = (
+        "`ray status` shows what Ray waits for; " if isinstance(error, TimeoutError) and name != "ray" else ""
+    )  # connected, then waited
+    return Check(
+        name=name, outcome="fail", detail=f"{type(error).__name__}: {first_line(error)}; fix: {waited}{FIXES[name]}"
+    )
 
 
 def within(seconds: float, probe: Callable[[], T]) -> T:
@@ -72,7 +76,7 @@ def within(seconds: float, probe: Callable[[], T]) -> T:
     def call() -> None:
         try:
             outcome.set_result(probe())
-        except BaseException as error:  # noqa: BLE001: handed to the caller, who says what failed
+        except BaseException as error:  # noqa: BLE001 -- handed to the caller, who says what failed
             outcome.set_exception(error)
 
     threading.Thread(target=call, daemon=True).start()
@@ -100,9 +104,11 @@ def run(ray_address: str | None, storage_root: str, show: Callable[[Check], None
             # that started them (seen: its GCS gone once that thread had ended, Ray's exit waiting on it).
             cluster.connect()
         elif not cluster.jobs_api(address):
-            within(RAY_TIMEOUT_S, lambda: cluster.connect(address))  # an address nothing answers on: ray.init waits minutes
+            within(
+                RAY_TIMEOUT_S, lambda: cluster.connect(address)
+            )  # an address nothing answers on: ray.init waits minutes
         within(CLUSTER_TIMEOUT_S, lambda: jobs.run(on_cluster, address, Relay(record)))
-    except Exception as error:  # noqa: BLE001: the cluster could not be reached, or its checks did not end
+    except Exception as error:  # noqa: BLE001 -- the cluster could not be reached, or its checks did not end
         if unchecked():
             record(failed(unchecked()[0], error))
     for name in unchecked():
@@ -141,7 +147,7 @@ def guarded(names: tuple[str, ...], probe: Callable[[], list[Check]]) -> list[Ch
     """probe()'s checks, or each of `names` failed with the error's first line and its fix."""
     try:
         return probe()
-    except Exception as error:  # noqa: BLE001: a check that raises is a failed line
+    except Exception as error:  # noqa: BLE001 -- a check that raises is a failed line
         return [failed(name, error) for name in names]
 
 
@@ -154,10 +160,14 @@ def ray_check() -> Check:
     nodes = [node for node in ray.nodes() if node["Alive"]]
     resources = cluster.Resources.of_cluster()
     cpus = sum(node["Resources"].get("CPU", 0) for node in nodes)
-    detail = (f"{len(nodes)} node{'' if len(nodes) == 1 else 's'}, {cpus:g} CPUs, {resources.gpus} GPUs at "
-              f"{ray.get_runtime_context().gcs_address}{', autoscaled' if resources.can_grow else ''}")
+    detail = (
+        f"{len(nodes)} node{'' if len(nodes) == 1 else 's'}, {cpus:g} CPUs, {resources.gpus} GPUs at "
+        f"{ray.get_runtime_context().gcs_address}{', autoscaled' if resources.can_grow else ''}"
+    )
     if resources.cpus < 1 and not resources.can_grow:  # ftflow leaves cluster.DATA_CPUS to Ray Data
-        return Check(name="ray", outcome="fail", detail=f"{detail}: no CPU left for ftflow's workers; fix: add nodes with CPUs")
+        return Check(
+            name="ray", outcome="fail", detail=f"{detail}: no CPU left for ftflow's workers; fix: add nodes with CPUs"
+        )
     return Check(name="ray", outcome="pass", detail=detail)
 
 
@@ -166,27 +176,47 @@ def step_checks() -> list[Check]:
     would use (tasks/train.py's plan and deepspeed_config, training's defaults); then the all-reduce."""
     resources = cluster.Resources.of_cluster()
     use_gpu = resources.use_gpu("auto")
-    cfg = TrainConfig(num_workers=min(2, max(1, resources.gpus if use_gpu else int(resources.cpus))), collective_timeout_s=120)
+    cfg = TrainConfig(
+        num_workers=min(2, max(1, resources.gpus if use_gpu else int(resources.cpus))), collective_timeout_s=120
+    )
     plan = train.plan(cfg, resources)
-    spec = WorkerSpec(train=cfg, plan=plan, deepspeed=train.deepspeed_config(cfg, plan, total_steps=1, hidden_size=TINY_BERT.hidden_size),
-                      model="a tiny BERT, built in the worker", label_names=DataConfig().label_names, max_length=SEQUENCE_LENGTH,
-                      batches_per_epoch=1, max_steps=1, model_uri="")  # nothing is exported
+    spec = WorkerSpec(
+        train=cfg,
+        plan=plan,
+        deepspeed=train.deepspeed_config(cfg, plan, total_steps=1, hidden_size=TINY_BERT.hidden_size),
+        model="a tiny BERT, built in the worker",
+        label_names=DataConfig().label_names,
+        max_length=SEQUENCE_LENGTH,
+        batches_per_epoch=1,
+        max_steps=1,
+        model_uri="",
+    )  # nothing is exported
     reports = Queue(actor_options={"num_cpus": 0})  # Ray Train returns nothing of the workers'
     trainer = TorchTrainer(
         one_step,
         train_loop_config={"spec": spec.model_dump(), "reports": reports},
-        scaling_config=ScalingConfig(num_workers=plan.workers, use_gpu=plan.use_gpu, resources_per_worker={"CPU": plan.cpus_per_worker}),
+        scaling_config=ScalingConfig(
+            num_workers=plan.workers, use_gpu=plan.use_gpu, resources_per_worker={"CPU": plan.cpus_per_worker}
+        ),
         torch_config=TorchConfig(backend="nccl" if plan.use_gpu else "gloo", timeout_s=int(cfg.collective_timeout_s)),
-        run_config=RunConfig(name="ftflow-doctor"),  # Ray's default name is a new folder in ~/ray_results per run; nothing is kept
+        run_config=RunConfig(
+            name="ftflow-doctor"
+        ),  # Ray's default name is a new folder in ~/ray_results per run; nothing is kept
     )
     try:
         trainer.fit()
     except WorkerGroupError as error:  # Ray's message is "Training failed due to worker errors:", then tracebacks
         raise train.worker_exception(error) from None
-    steps = sorted((StepReport.model_validate(reports.get(timeout=5)) for _ in range(plan.workers)), key=lambda step: step.rank)
+    steps = sorted(
+        (StepReport.model_validate(reports.get(timeout=5)) for _ in range(plan.workers)), key=lambda step: step.rank
+    )
     device = "GPU" if plan.use_gpu else "CPU"
-    trained = Check(name="train", outcome="pass", detail=f"one DeepSpeed step (ZeRO-{cfg.zero_stage}, {steps[0].precision}) of a tiny "
-                                                         f"BERT on {plan.workers} {device} worker(s): loss {steps[0].loss:.4f}")
+    trained = Check(
+        name="train",
+        outcome="pass",
+        detail=f"one DeepSpeed step (ZeRO-{cfg.zero_stage}, {steps[0].precision}) of a tiny "
+        f"BERT on {plan.workers} {device} worker(s): loss {steps[0].loss:.4f}",
+    )
     return [trained, all_reduce_check(steps)]
 
 
@@ -195,10 +225,15 @@ def all_reduce_check(steps: list[StepReport]) -> Check:
         return Check(name="all-reduce", outcome="skip", detail="one device")
     expected = len(steps) * (len(steps) + 1) / 2
     wrong = [step.rank for step in steps if step.summed != expected]
-    ran = f"{len(steps)} workers over {steps[0].backend}, tensors on {', '.join(sorted({step.device for step in steps}))}"
+    ran = (
+        f"{len(steps)} workers over {steps[0].backend}, tensors on {', '.join(sorted({step.device for step in steps}))}"
+    )
     if wrong:
-        return Check(name="all-reduce", outcome="fail", detail=f"{ran}: the sum is wrong on rank(s) {wrong} (expected {expected:g}); "
-                                                              f"fix: {FIXES['all-reduce']}")
+        return Check(
+            name="all-reduce",
+            outcome="fail",
+            detail=f"{ran}: the sum is wrong on rank(s) {wrong} (expected {expected:g}); fix: {FIXES['all-reduce']}",
+        )
     return Check(name="all-reduce", outcome="pass", detail=f"{ran}: sum {expected:g} as expected")
 
 
@@ -221,26 +256,40 @@ def ops_check(node: NodeReport) -> Check:
     """Not prebuilt is a warning, not a failure: a run without optimizer offload needs no op, and one
     with it builds the op once (building it here would take the doctor's minute)."""
     adam = "CPU Adam (optimizer offload)"
-    prebuild = ("prebuild it: `python infra/docker/build_ops.py CPUAdamBuilder` on the node, or DS_BUILD_CPU_ADAM=1 at DeepSpeed's "
-                "install (infra/docker/Dockerfile)")
+    prebuild = (
+        "prebuild it: `python infra/docker/build_ops.py CPUAdamBuilder` on the node, or DS_BUILD_CPU_ADAM=1 at DeepSpeed's "
+        "install (infra/docker/Dockerfile)"
+    )
     match node.cpu_adam:
         case "prebuilt":
             return Check(name="deepspeed ops", outcome="pass", detail=f"{adam} is prebuilt in DeepSpeed's install")
         case "cached":
             return Check(name="deepspeed ops", outcome="pass", detail=f"{adam} is built, in {node.extensions}")
         case "jit":
-            return Check(name="deepspeed ops", outcome="warn", detail=f"{adam} is not prebuilt: the first run with offload_optimizer "
-                                                                      f"builds it into {node.extensions} (~46 s on 2 cores); {prebuild}")
-    return Check(name="deepspeed ops", outcome="warn", detail=f"{adam} is not prebuilt, and without ninja it cannot be built: runs with "
-                                                              f"offload_optimizer fail; install ninja, or {prebuild}")
+            return Check(
+                name="deepspeed ops",
+                outcome="warn",
+                detail=f"{adam} is not prebuilt: the first run with offload_optimizer "
+                f"builds it into {node.extensions} (~46 s on 2 cores); {prebuild}",
+            )
+    return Check(
+        name="deepspeed ops",
+        outcome="warn",
+        detail=f"{adam} is not prebuilt, and without ninja it cannot be built: runs with "
+        f"offload_optimizer fail; install ninja, or {prebuild}",
+    )
 
 
 def storage_check(storage_root: str) -> Check:
     try:
         storage.check_writable(storage_root, "storage_root")
-    except Exception as error:  # noqa: BLE001: unreachable, no bucket, no credentials, not writable: its message says which
-        return Check(name="storage", outcome="fail", detail=f"{first_line(error)}; fix: set --storage-root (or FTFLOW_STORAGE_ROOT) to a folder "
-                                                           "or s3://bucket/prefix this machine can write")
+    except Exception as error:  # noqa: BLE001 -- unreachable, no bucket, no credentials, not writable: its message says which
+        return Check(
+            name="storage",
+            outcome="fail",
+            detail=f"{first_line(error)}; fix: set --storage-root (or FTFLOW_STORAGE_ROOT) to a folder "
+            "or s3://bucket/prefix this machine can write",
+        )
     return Check(name="storage", outcome="pass", detail=f"{storage.normalize(storage_root)} is writable")
 
 
@@ -251,13 +300,21 @@ def prefect_check() -> Check:
 
     url = PREFECT_API_URL.value()
     if not url:
-        return Check(name="prefect", outcome="pass", detail="PREFECT_API_URL is not set: each run starts a temporary local Prefect server")
+        return Check(
+            name="prefect",
+            outcome="pass",
+            detail="PREFECT_API_URL is not set: each run starts a temporary local Prefect server",
+        )
     try:
         with get_client(httpx_settings={"timeout": PREFECT_TIMEOUT_S}, sync_client=True) as client:
             error = client.api_healthcheck()  # the exception, or None
-    except Exception as raised:  # noqa: BLE001: a URL the client cannot use
+    except Exception as raised:  # noqa: BLE001 -- a URL the client cannot use
         error = raised
     if error is not None:
-        return Check(name="prefect", outcome="fail", detail=f"{url}/health: {first_line(error)}; fix: start the server (`ftflow stack up`, or "
-                                                           "`prefect server start`), or set PREFECT_API_URL to it")
+        return Check(
+            name="prefect",
+            outcome="fail",
+            detail=f"{url}/health: {first_line(error)}; fix: start the server (`ftflow stack up`, or "
+            "`prefect server start`), or set PREFECT_API_URL to it",
+        )
     return Check(name="prefect", outcome="pass", detail=f"{url} answers")

@@ -61,8 +61,16 @@ def one_step(config: dict) -> None:
     engine.step()
     summed = torch.tensor([dist.get_rank() + 1.0], device=device)  # NCCL reduces device tensors only
     dist.all_reduce(summed)
-    config["reports"].put(StepReport(rank=dist.get_rank(), device=str(device), backend=dist.get_backend(),
-                                     precision=precision_of(engine), loss=loss.item(), summed=summed.item()).model_dump())
+    config["reports"].put(
+        StepReport(
+            rank=dist.get_rank(),
+            device=str(device),
+            backend=dist.get_backend(),
+            precision=precision_of(engine),
+            loss=loss.item(),
+            summed=summed.item(),
+        ).model_dump()
+    )
 
 
 def node_report() -> NodeReport:
@@ -76,10 +84,17 @@ def node_report() -> NodeReport:
     # Where torch's JIT loader builds and finds the op (its own rule: TORCH_EXTENSIONS_DIR, else a
     # folder per Python and CUDA version); it creates the empty folder, as a build would.
     extensions = Path(_get_build_directory(builder.name, verbose=False))
-    if installed_ops.get(builder.name) and accelerator_name == get_accelerator()._name:  # DeepSpeed's own test (OpBuilder.load)
+    if (
+        installed_ops.get(builder.name) and accelerator_name == get_accelerator()._name
+    ):  # DeepSpeed's own test (OpBuilder.load)
         cpu_adam = "prebuilt"
     elif (extensions / f"{builder.name}.so").exists():
         cpu_adam = "cached"
     else:
         cpu_adam = "jit" if is_ninja_available() else "no ninja"
-    return NodeReport(gpu=gpu, bf16=torch.cuda.is_bf16_supported() if gpu else None, cpu_adam=cpu_adam, extensions=str(extensions.parent))
+    return NodeReport(
+        gpu=gpu,
+        bf16=torch.cuda.is_bf16_supported() if gpu else None,
+        cpu_adam=cpu_adam,
+        extensions=str(extensions.parent),
+    )

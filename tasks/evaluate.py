@@ -30,7 +30,10 @@ def metrics_of(counts: np.ndarray, label_names: list[str]) -> dict:
 def confusion_markdown(metrics: dict) -> str:
     names = metrics["label_names"]
     lines = ["| true \\ predicted | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
-    lines += [f"| **{name}** | " + " | ".join(map(str, row)) + " |" for name, row in zip(names, metrics["confusion_matrix"])]
+    lines += [
+        f"| **{name}** | " + " | ".join(map(str, row)) + " |"
+        for name, row in zip(names, metrics["confusion_matrix"], strict=True)
+    ]
     return "\n".join(lines)
 
 
@@ -51,9 +54,11 @@ def evaluate(model_uri: str, test: Split, metrics_uri: str, ray_address: str | N
     storage.write_json(metrics_uri, metrics)
     create_table_artifact(
         key="test-metrics",
-        table=[{"metric": "accuracy", "value": round(metrics["accuracy"], 4)},
-               {"metric": "macro_f1", "value": round(metrics["macro_f1"], 4)},
-               {"metric": "rows", "value": metrics["rows"]}],
+        table=[
+            {"metric": "accuracy", "value": round(metrics["accuracy"], 4)},
+            {"metric": "macro_f1", "value": round(metrics["macro_f1"], 4)},
+            {"metric": "rows", "value": metrics["rows"]},
+        ],
         description=f"Test metrics of {model_uri}",
     )
     create_markdown_artifact(
@@ -61,5 +66,7 @@ def evaluate(model_uri: str, test: Split, metrics_uri: str, ray_address: str | N
         markdown=f"### Confusion matrix on {shown(test.uris)}\n\n{confusion_markdown(metrics)}\n",
         description="Rows: true labels; columns: predicted labels",
     )
-    get_run_logger().info("test accuracy %.4f, macro F1 %.4f on %d rows", metrics["accuracy"], metrics["macro_f1"], metrics["rows"])
+    get_run_logger().info(
+        "test accuracy %.4f, macro F1 %.4f on %d rows", metrics["accuracy"], metrics["macro_f1"], metrics["rows"]
+    )
     return metrics

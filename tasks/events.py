@@ -17,10 +17,23 @@ PROMOTED = "ftflow.model.promoted"
 DATA_ARRIVED = "ftflow.data.arrived"
 
 
-def promoted(model_name: str, model_uri: str, metric: str, score: float, run_id: str, storage_root: str) -> Event | None:
-    return emit_event(PROMOTED, resource={"prefect.resource.id": f"ftflow.model.{model_name}", "ftflow.model_name": model_name},
-                      payload={"model_uri": model_uri, "metric": metric, "score": score, "run_id": run_id, "storage_root": storage_root})
+def promoted(
+    model_name: str, model_uri: str, metric: str, score: float, run_id: str, storage_root: str
+) -> Event | None:
+    return emit_event(
+        PROMOTED,
+        resource={"prefect.resource.id": f"ftflow.model.{model_name}", "ftflow.model_name": model_name},
+        payload={
+            "model_uri": model_uri,
+            "metric": metric,
+            "score": score,
+            "run_id": run_id,
+            "storage_root": storage_root,
+        },
+    )
 
 
 def data_arrived(train_uri: str, name: str = "training") -> Event | None:
-    return emit_event(DATA_ARRIVED, resource={"prefect.resource.id": f"ftflow.data.{name}"}, payload={"train_uri": train_uri})
+    return emit_event(
+        DATA_ARRIVED, resource={"prefect.resource.id": f"ftflow.data.{name}"}, payload={"train_uri": train_uri}
+    )

@@ -25,15 +25,20 @@ def last_layer_at_first_token(model: torch.nn.Module) -> bool:
     """Make the last encoder layer of `model` compute its first token only, where `model` is a
     sequence classifier of FIRST_TOKEN_CLASSIFIERS on sdpa attention (the default); False, and the
     model untouched, otherwise. Its parameters, state dict and saved form do not change."""
-    if (model.config.model_type not in FIRST_TOKEN_CLASSIFIERS or not type(model).__name__.endswith("ForSequenceClassification")
-            or model.config._attn_implementation != "sdpa"):
+    if (
+        model.config.model_type not in FIRST_TOKEN_CLASSIFIERS
+        or not type(model).__name__.endswith("ForSequenceClassification")
+        or model.config._attn_implementation != "sdpa"
+    ):
         return False
     last = model.base_model.encoder.layer[-1]
     last.forward = MethodType(first_token_forward, last)  # an attribute, not a module: the state dict stays the model's
     return True
 
 
-def first_token_forward(layer, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None, *_, **__) -> torch.Tensor:
+def first_token_forward(
+    layer, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None, *_, **__
+) -> torch.Tensor:
     """BertLayer.forward for an encoder (no cross-attention, no cache) at position 0: (batch, 1, hidden)."""
     attention, first = layer.attention.self, hidden_states[:, :1]
 
@@ -43,6 +48,12 @@ def first_token_forward(layer, hidden_states: torch.Tensor, attention_mask: torc
     if attention_mask is not None and attention_mask.dim() == 4:
         attention_mask = attention_mask[:, :, :1]  # the first query's row of (batch, 1, queries, keys)
     context, _ = ALL_ATTENTION_FUNCTIONS["sdpa"](
-        attention, heads(attention.query(first)), heads(attention.key(hidden_states)), heads(attention.value(hidden_states)),
-        attention_mask, dropout=attention.dropout.p if attention.training else 0.0, scaling=attention.scaling)
+        attention,
+        heads(attention.query(first)),
+        heads(attention.key(hidden_states)),
+        heads(attention.value(hidden_states)),
+        attention_mask,
+        dropout=attention.dropout.p if attention.training else 0.0,
+        scaling=attention.scaling,
+    )
     return layer.feed_forward_chunk(layer.attention.output(context.reshape(*first.shape[:-1], -1), first))

@@ -16,8 +16,8 @@ from prefect.artifacts import create_table_artifact
 from ray.data import DataContext
 
 from tasks import cluster, jobs, storage
-from tasks.config import InferenceConfig
 from tasks.checks import inference_inputs
+from tasks.config import InferenceConfig
 from tasks.data import cut, numbered, rows_per_byte
 from tasks.labeller import Labeller
 from tasks.live import Tracked
@@ -59,7 +59,9 @@ def predict_files(model_uri: str, cfg: InferenceConfig, output_uri: str, ray_add
     """Label every row of every file cfg.input_uri names; Parquet (id, text, label, score) at
     output_uri, complete once output_uri/_SUCCESS.json exists (rows, input and model fingerprints)."""
     inference_inputs(model_uri, cfg, output_uri)  # bad input stops here, before any cluster work
-    with Tracked("batch-inference-progress", "Batch inference: % of the rows labelled (estimated until every part is read)") as progress:
+    with Tracked(
+        "batch-inference-progress", "Batch inference: % of the rows labelled (estimated until every part is read)"
+    ) as progress:
         result = jobs.run(labelled, ray_address, progress, model_uri=model_uri, cfg=cfg, output_uri=output_uri)
     create_table_artifact(
         key="batch-inference-throughput",
@@ -77,8 +79,9 @@ def labelled(model_uri: str, cfg: InferenceConfig, output_uri: str) -> dict:
     text_column, output = cfg.text_column or "text", storage.OutputFolder(output_uri)
     sizes = {uri: storage.size(uri) for uri in files}  # once: for the actors and the parts
     resources = cluster.Resources.of_cluster()
-    actors, cpus, gpus = resources.inference_actors(cfg.actors or (1 if estimated_rows(sizes) < ONE_ACTOR_ROWS else None),
-                                                    resources.use_gpu(cfg.device))
+    actors, cpus, gpus = resources.inference_actors(
+        cfg.actors or (1 if estimated_rows(sizes) < ONE_ACTOR_ROWS else None), resources.use_gpu(cfg.device)
+    )
     parts = cut_in_parts(sizes, actors)
     job = output.start()  # a re-run replaces exactly what an earlier job here wrote, complete or not
     out_path, out_fs = storage.pyarrow_filesystem(output_uri)
@@ -89,10 +92,18 @@ def labelled(model_uri: str, cfg: InferenceConfig, output_uri: str) -> dict:
     with logging_progress(parts, logger) as progress, pool_failures(actors, cpus, gpus, cfg.wait_for_actors_s):
         ray.data.from_items(parts, override_num_blocks=len(parts)).map_batches(
             Labeller,
-            fn_constructor_kwargs={"model_uri": model_uri, "output": (out_path, out_fs), "job": job,
-                                   "text_column": text_column, "id_column": cfg.id_column, "window_rows": cfg.window_rows,
-                                   "batch_size": cfg.batch_size, "threads": max(1, round(cpus)), "precision": cfg.precision,
-                                   "progress": progress},
+            fn_constructor_kwargs={
+                "model_uri": model_uri,
+                "output": (out_path, out_fs),
+                "job": job,
+                "text_column": text_column,
+                "id_column": cfg.id_column,
+                "window_rows": cfg.window_rows,
+                "batch_size": cfg.batch_size,
+                "threads": max(1, round(cpus)),
+                "precision": cfg.precision,
+                "progress": progress,
+            },
             batch_size=1,  # a part per call
             batch_format="pandas",
             concurrency=actors,
@@ -101,20 +112,48 @@ def labelled(model_uri: str, cfg: InferenceConfig, output_uri: str) -> dict:
         ).materialize()
     seconds = time.perf_counter() - started
     written = output.written(job)
-    rows = pyarrow.dataset.dataset([f"{out_path}/{name}" for name in written], filesystem=out_fs, format="parquet").count_rows()
-    output.complete(job, written, {
+    rows = pyarrow.dataset.dataset(
+        [f"{out_path}/{name}" for name in written], filesystem=out_fs, format="parquet"
+    ).count_rows()
+    output.complete(
+        job,
+        written,
+        {
+            "rows": rows,
+            "inputs": {uri: storage.fingerprint(uri) for uri in files},
+            "model": {"uri": model_uri, "fingerprint": storage.fingerprint(model_uri)},
+            "text_column": text_column,
+            "id_column": cfg.id_column,
+        },
+    )
+    log_tick(
+        logger,
+        Tick(
+            stage="batch inference",
+            done=rows,
+            total=rows,
+            unit="rows",
+            metrics={"rows_per_s": rows / seconds},
+            text=f"{rows / seconds:,.0f} rows/s",
+        ),
+    )
+    logger.info(
+        "labelled %d rows from %d file(s) into %s in %.1f s (%.0f rows/s)",
+        rows,
+        len(files),
+        output_uri,
+        seconds,
+        rows / seconds,
+    )
+    return {
+        "output_uri": output_uri,
         "rows": rows,
-        "inputs": {uri: storage.fingerprint(uri) for uri in files},
-        "model": {"uri": model_uri, "fingerprint": storage.fingerprint(model_uri)},
-        "text_column": text_column,
-        "id_column": cfg.id_column,
-    })
-    log_tick(logger, Tick(stage="batch inference", done=rows, total=rows, unit="rows", metrics={"rows_per_s": rows / seconds},
-                          text=f"{rows / seconds:,.0f} rows/s"))
-    logger.info("labelled %d rows from %d file(s) into %s in %.1f s (%.0f rows/s)", rows, len(files), output_uri,
-                seconds, rows / seconds)
-    return {"output_uri": output_uri, "rows": rows, "files": len(files), "seconds": round(seconds, 2),
-            "rows_per_s": round(rows / seconds, 1), "actors": actors, "parts": len(parts)}
+        "files": len(files),
+        "seconds": round(seconds, 2),
+        "rows_per_s": round(rows / seconds, 1),
+        "actors": actors,
+        "parts": len(parts),
+    }
 
 
 def cut_in_parts(sizes: dict[str, int], actors: int) -> list[dict]:
@@ -128,8 +167,17 @@ def cut_in_parts(sizes: dict[str, int], actors: int) -> list[dict]:
     for uri in sizes:
         name = os.path.relpath(uri, base) if base else Path(uri).name
         for piece in numbered(cut(uri, piece_bytes=max(1, int(min(share, PART_BYTES))))):
-            parts.append({"uri": uri, "start": piece.start, "stop": piece.stop, "size": piece.size, "file_row": piece.file_row,
-                          "name": name, "part": len(parts)})
+            parts.append(
+                {
+                    "uri": uri,
+                    "start": piece.start,
+                    "stop": piece.stop,
+                    "size": piece.size,
+                    "file_row": piece.file_row,
+                    "name": name,
+                    "part": len(parts),
+                }
+            )
     return parts
 
 
@@ -144,10 +192,12 @@ def pool_failures(actors: int, cpus: float, gpus: int, wait_s: float) -> Iterato
     except ray.exceptions.GetTimeoutError as error:
         if "Timed out while starting actors" not in str(error):
             raise without_frames(error) from None
-        raise RuntimeError(f"the Ray cluster did not start {actors} inference actor(s) of {cpus:.2g} CPU{f' and {gpus} GPU' if gpus else ''} "
-                           f"each within wait_for_actors_s={wait_s:g}: no node can hold one, or none was added in time; "
-                           "see `ray status`") from None
-    except Exception as error:
+        raise RuntimeError(
+            f"the Ray cluster did not start {actors} inference actor(s) of {cpus:.2g} CPU{f' and {gpus} GPU' if gpus else ''} "
+            f"each within wait_for_actors_s={wait_s:g}: no node can hold one, or none was added in time; "
+            "see `ray status`"
+        ) from None
+    except Exception as error:  # noqa: BLE001 -- raised again, without Ray Data's frames
         raise without_frames(error) from None
 
 
@@ -178,8 +228,17 @@ def logging_progress(parts: list[dict], logger) -> Iterator[ray.actor.ActorHandl
         rate = labelled / (time.perf_counter() - started)
         total = rows_done if parts_done == len(parts) else rows_done * total_bytes / bytes_done if bytes_done else None
         estimated = "" if parts_done == len(parts) else f" (total estimated; {parts_done}/{len(parts)} parts done)"
-        log_tick(logger, Tick(stage="batch inference", done=labelled, total=total, unit="rows", metrics={"rows_per_s": rate},
-                              text=f"{rate:,.0f} rows/s{estimated}"))
+        log_tick(
+            logger,
+            Tick(
+                stage="batch inference",
+                done=labelled,
+                total=total,
+                unit="rows",
+                metrics={"rows_per_s": rate},
+                text=f"{rate:,.0f} rows/s{estimated}",
+            ),
+        )
 
     try:
         with periodically(report, PROGRESS_EVERY_S):

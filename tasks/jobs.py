@@ -47,8 +47,9 @@ Stage = TypeVar("Stage")
 IN_PROCESS = threading.RLock()
 
 
-def run(stage: Callable[..., Stage], address: str | None, logger: logging.Logger | logging.LoggerAdapter,
-        **arguments: Any) -> Stage:
+def run(
+    stage: Callable[..., Stage], address: str | None, logger: logging.Logger | logging.LoggerAdapter, **arguments: Any
+) -> Stage:
     """stage(**arguments) on the Ray cluster at `address` (else RAY_ADDRESS, else a local Ray), its
     log lines to `logger`."""
     if api := cluster.jobs_api(address):
@@ -87,9 +88,13 @@ def submitted(stage: Callable[..., Stage], address: str, logger, arguments: dict
     logging.getLogger("ray.dashboard.modules.job.sdk").setLevel(logging.WARNING)
     client = JobSubmissionClient(address)
     hints = get_type_hints(stage)
-    wire = json.dumps({name: TypeAdapter(hints[name]).dump_python(value, mode="json") for name, value in arguments.items()})
-    job = client.submit_job(entrypoint=f"python -m tasks.jobs {stage.__module__}:{stage.__name__} {shlex.quote(wire)}",
-                            submission_id=f"ftflow-{stage.__name__}-{uuid.uuid4().hex[:12]}")
+    wire = json.dumps(
+        {name: TypeAdapter(hints[name]).dump_python(value, mode="json") for name, value in arguments.items()}
+    )
+    job = client.submit_job(
+        entrypoint=f"python -m tasks.jobs {stage.__module__}:{stage.__name__} {shlex.quote(wire)}",
+        submission_id=f"ftflow-{stage.__name__}-{uuid.uuid4().hex[:12]}",
+    )
     logger.info("%s runs as Ray job %s on %s", stage.__name__, job, address)
     follower = ThreadPoolExecutor(1)  # its own event loop: a Prefect task may run inside one
     try:
@@ -106,8 +111,10 @@ def submitted(stage: Callable[..., Stage], address: str, logger, arguments: dict
         error = json.loads(ending.removeprefix(ERROR))
         kind = getattr(builtins, error["type"], None)
         raise (kind if isinstance(kind, type) and issubclass(kind, Exception) else RuntimeError)(error["message"])
-    raise RuntimeError(f"Ray job {job} on {address} ended {status}: {client.get_job_info(job).message}; "
-                       f"see `ray job logs {job} --address {address}`")
+    raise RuntimeError(
+        f"Ray job {job} on {address} ended {status}: {client.get_job_info(job).message}; "
+        f"see `ray job logs {job} --address {address}`"
+    )
 
 
 async def followed(client, job: str, logger) -> str:
@@ -152,7 +159,7 @@ def main(target: str, wire: str) -> int:
         cluster.connect()  # Ray sets RAY_ADDRESS to the cluster for a job's driver
         arguments = {key: TypeAdapter(hints[key]).validate_python(value) for key, value in json.loads(wire).items()}
         result = stage(**arguments)
-    except Exception as error:  # noqa: BLE001: every failure becomes the one line the caller raises again
+    except Exception as error:  # noqa: BLE001 -- every failure becomes the one line the caller raises again
         traceback.print_exc()  # the whole story stays in the job's log (`ray job logs`)
         print(ERROR + json.dumps({"type": type(error).__name__, "message": str(error)}), flush=True)
         return 1

@@ -31,27 +31,61 @@ class Labeller:
     labels of part number `part` in `<output>/<job>_<part>.parquet`, so a retried call overwrites its own
     file and the output folder's record knows the job's files."""
 
-    def __init__(self, model_uri: str, output: tuple[str, object], job: str, text_column: str, id_column: str | None,
-                 window_rows: int, batch_size: int, threads: int, precision: str, progress=None):
+    def __init__(
+        self,
+        model_uri: str,
+        output: tuple[str, object],
+        job: str,
+        text_column: str,
+        id_column: str | None,
+        window_rows: int,
+        batch_size: int,
+        threads: int,
+        precision: str,
+        progress=None,
+    ):
         self.predictor = Predictor(model_uri, batch_size, threads, precision=precision)
         self.label_names = np.asarray(self.predictor.label_names)
         (self.path, self.filesystem), self.job = output, job
-        self.text_column, self.id_column, self.window_rows, self.progress = text_column, id_column, window_rows, progress
+        self.text_column, self.id_column, self.window_rows, self.progress = (
+            text_column,
+            id_column,
+            window_rows,
+            progress,
+        )
 
     def __call__(self, parts: pd.DataFrame) -> pd.DataFrame:
-        return pd.DataFrame({"rows": [self.label(Piece(part.uri, part.start, part.stop, part.size, file_row=part.file_row), part.name, part.part)
-                                      for part in parts.itertuples()]})
+        return pd.DataFrame(
+            {
+                "rows": [
+                    self.label(
+                        Piece(part.uri, part.start, part.stop, part.size, file_row=part.file_row), part.name, part.part
+                    )
+                    for part in parts.itertuples()
+                ]
+            }
+        )
 
     def label(self, piece: Piece, name: str, part: int) -> int:
         seen = 0
-        with pq.ParquetWriter(f"{self.path}/{self.job}_{part:05d}.parquet", LABELS_SCHEMA, filesystem=self.filesystem) as out:
+        with pq.ParquetWriter(
+            f"{self.path}/{self.job}_{part:05d}.parquet", LABELS_SCHEMA, filesystem=self.filesystem
+        ) as out:
             for frame in self.windows(piece):
                 first = piece.file_row + seen
-                ids = frame[self.id_column].astype(str) if self.id_column else [f"{name}:{first + i}" for i in range(len(frame))]
+                ids = (
+                    frame[self.id_column].astype(str)
+                    if self.id_column
+                    else [f"{name}:{first + i}" for i in range(len(frame))]
+                )
                 texts = frame[self.text_column].astype(str).tolist()
                 labels, scores = self.predictor.predict(texts)
-                out.write_table(pa.table({"id": ids, "text": texts, "label": self.label_names[labels], "score": scores},
-                                         schema=LABELS_SCHEMA))
+                out.write_table(
+                    pa.table(
+                        {"id": ids, "text": texts, "label": self.label_names[labels], "score": scores},
+                        schema=LABELS_SCHEMA,
+                    )
+                )
                 seen += len(frame)
                 if self.progress:
                     self.progress.labelled.remote(len(frame))
@@ -64,7 +98,9 @@ class Labeller:
         naming the file, which may be corrupt, or lack a column, past what the driver checked."""
         with reading(piece.uri, file_format(piece.uri)):
             for frame in iter_frames(piece.uri, chunk_rows=self.window_rows, piece=piece):
-                missing = [column for column in (self.text_column, self.id_column) if column and column not in frame.columns]
+                missing = [
+                    column for column in (self.text_column, self.id_column) if column and column not in frame.columns
+                ]
                 if missing:
                     raise DataError(f"{piece.uri}: column '{missing[0]}' not found")
                 yield frame

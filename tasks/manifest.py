@@ -4,7 +4,7 @@ marks a complete run."""
 from __future__ import annotations
 
 import platform
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from importlib.metadata import version
 
 from prefect import task
@@ -20,11 +20,13 @@ def versions() -> dict[str, str]:
 
 
 @task(**RETRY_TRANSIENT)
-def write_manifest(manifest_uri: str, config: dict, cluster: dict, data: dict, outputs: dict, metrics: dict, seconds: dict) -> str:
+def write_manifest(
+    manifest_uri: str, config: dict, cluster: dict, data: dict, outputs: dict, metrics: dict, seconds: dict
+) -> str:
     storage.write_json(
         manifest_uri,
         {
-            "completed_at": datetime.now(timezone.utc).isoformat(),
+            "completed_at": datetime.now(UTC).isoformat(),
             "config": config,
             "versions": versions(),
             "cluster": cluster,  # the one that trained

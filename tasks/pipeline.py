@@ -36,7 +36,9 @@ class EncoderLayer(nn.Module):
     def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         hidden, mask = inputs
         additive = create_bidirectional_mask(config=self.config, inputs_embeds=hidden, attention_mask=mask)
-        return self.layer(hidden, additive), mask  # a first-token last layer (tasks/first_token.py) returns (batch, 1, hidden)
+        return self.layer(
+            hidden, additive
+        ), mask  # a first-token last layer (tasks/first_token.py) returns (batch, 1, hidden)
 
 
 class Head(nn.Module):
@@ -45,8 +47,14 @@ class Head(nn.Module):
 
     def __init__(self, model):
         super().__init__()
-        self.pooler, self.dropout, self.classifier = getattr(model.base_model, "pooler", None), getattr(model, "dropout", None), model.classifier
-        self.logits: list[torch.Tensor] = []  # of each micro-batch, for the metrics: the pipeline returns the loss alone
+        self.pooler, self.dropout, self.classifier = (
+            getattr(model.base_model, "pooler", None),
+            getattr(model, "dropout", None),
+            model.classifier,
+        )
+        self.logits: list[
+            torch.Tensor
+        ] = []  # of each micro-batch, for the metrics: the pipeline returns the loss alone
 
     def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         hidden, _ = inputs
@@ -71,11 +79,16 @@ def stages(model, count: int, activation_checkpointing: bool):
     names = {id(tensor): name for name, tensor in model.state_dict(keep_vars=True).items()}
     layers = [Embeddings(model), *(EncoderLayer(model, i) for i in range(model.config.num_hidden_layers)), Head(model)]
     module = PipelineModule(
-        layers=layers, num_stages=count, loss_fn=mean_loss, partition_method="type:EncoderLayer",
+        layers=layers,
+        num_stages=count,
+        loss_fn=mean_loss,
+        partition_method="type:EncoderLayer",
         # each micro-batch is padded to its own longest row: without dynamic shapes the receiving
         # stage keeps the first one's buffer size, and gloo aborted on the first longer one
         dynamic_shape=True,
-        activation_checkpoint_interval=1 if activation_checkpointing else 0, checkpointable_layers=["EncoderLayer"])
+        activation_checkpoint_interval=1 if activation_checkpointing else 0,
+        checkpointable_layers=["EncoderLayer"],
+    )
     for parameter in module.parameters():
         # Under ZeRO-0, DeepSpeed's gradient clipping counts only the first stage's gradients in the
         # norm unless parameters say they are model-parallel (runtime/utils.py clip_grad_norm_):
@@ -93,8 +106,11 @@ def head(engine) -> Head | None:
 def consolidated(engine, names: dict[int, str], config) -> nn.Module | None:
     """On rank 0, the whole HF model rebuilt from every stage's tensors (of the first data-parallel
     replica); None elsewhere. Every rank must call it."""
-    mine = ({names[id(tensor)]: tensor.detach().cpu() for tensor in engine.module.state_dict(keep_vars=True).values()}
-            if engine.grid.data_parallel_id == 0 else {})
+    mine = (
+        {names[id(tensor)]: tensor.detach().cpu() for tensor in engine.module.state_dict(keep_vars=True).values()}
+        if engine.grid.data_parallel_id == 0
+        else {}
+    )
     parts: list[dict] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(mine, parts, dst=0)
     if parts is None:

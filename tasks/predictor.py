@@ -57,9 +57,17 @@ class Predictor:
         if threads:
             torch.set_num_threads(threads)
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        dtype = torch.bfloat16 if precision == "bf16" or (precision == "auto" and self.device.type == "cuda") else torch.float32
+        dtype = (
+            torch.bfloat16
+            if precision == "bf16" or (precision == "auto" and self.device.type == "cuda")
+            else torch.float32
+        )
         tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)  # a folder: never the hub
-        self.model = AutoModelForSequenceClassification.from_pretrained(folder, dtype=dtype, local_files_only=True).to(self.device).eval()
+        self.model = (
+            AutoModelForSequenceClassification.from_pretrained(folder, dtype=dtype, local_files_only=True)
+            .to(self.device)
+            .eval()
+        )
         last_layer_at_first_token(self.model)
         self.label_names = [self.model.config.id2label[i] for i in range(self.model.config.num_labels)]
         self.batch_size = batch_size

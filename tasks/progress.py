@@ -146,7 +146,9 @@ def post(channel: str, tick: Tick) -> None:
 def say(channel: str, level: int, text: str) -> None:
     """From a Ray worker or actor: one line for the driver's log, at `level` (keys sort in time order)."""
     line = Line(level=level, text=text)
-    kv()._internal_kv_put(f"{channel}{LINES}{time.time():017.6f}-{uuid.uuid4().hex[:6]}", line.model_dump_json(), namespace=NAMESPACE)
+    kv()._internal_kv_put(
+        f"{channel}{LINES}{time.time():017.6f}-{uuid.uuid4().hex[:6]}", line.model_dump_json(), namespace=NAMESPACE
+    )
 
 
 def beat(channel: str, heartbeat: Beat) -> None:

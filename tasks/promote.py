@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import numpy as np
 from prefect import get_run_logger, task
@@ -40,7 +40,11 @@ def champions_score(current: dict, test: Split, metric: str, ray_address: str | 
     """The champion's metric on this test split: as recorded at its promotion when that was on these
     very rows (same bytes, read the same way; the main job's re-score took 4.4 s of model start and
     prediction), else scored again."""
-    if (current.get("test_sha256"), current.get("test_reading"), current["metric"]) == (test.sha256, reading(test), metric):
+    if (current.get("test_sha256"), current.get("test_reading"), current["metric"]) == (
+        test.sha256,
+        reading(test),
+        metric,
+    ):
         return current["value"]
     return jobs.run(score, ray_address, get_run_logger(), model_uri=current["model_uri"], test=test)[metric]
 
@@ -56,13 +60,26 @@ def floor(metrics: dict, cfg: PromotionConfig) -> tuple[float, bool, str]:
     one_class = np.zeros((len(actual), len(actual)), dtype=np.int64)
     one_class[:, majority] = actual
     least = metrics_of(one_class, metrics["label_names"])[cfg.metric]
-    return least, False, (f"{cfg.metric} > {least:.4f}, the score of always predicting the test split's majority class "
-                          f"'{metrics['label_names'][majority]}' (promotion.min_score unset)")
+    return (
+        least,
+        False,
+        (
+            f"{cfg.metric} > {least:.4f}, the score of always predicting the test split's majority class "
+            f"'{metrics['label_names'][majority]}' (promotion.min_score unset)"
+        ),
+    )
 
 
 @task(**RETRY_TRANSIENT)
-def promote(model_uri: str, metrics: dict, test: Split, cfg: PromotionConfig, root: str, run_id: str,
-            ray_address: str | None = None) -> dict:
+def promote(
+    model_uri: str,
+    metrics: dict,
+    test: Split,
+    cfg: PromotionConfig,
+    root: str,
+    run_id: str,
+    ray_address: str | None = None,
+) -> dict:
     """Make model_uri the champion of cfg.model_name if it clears the floor and is at least as good as
     the champion; the decision, with why."""
     pointer = champion_pointer(root, cfg.model_name)
@@ -76,27 +93,53 @@ def promote(model_uri: str, metrics: dict, test: Split, cfg: PromotionConfig, ro
     else:
         champion = champions_score(current, test, cfg.metric, ray_address)
         promoted = challenger >= champion + cfg.margin
-        why = (f"{cfg.metric} {challenger:.4f} {'>=' if promoted else '<'} the champion's {champion:.4f} "
-               f"+ margin {cfg.margin:g}, on the same test split")
-    record = {"model_uri": model_uri, "run_id": run_id, "metric": cfg.metric, "value": challenger, "test_sha256": test.sha256,
-              "test_reading": reading(test), "promoted_at": datetime.now(timezone.utc).isoformat()}
+        why = (
+            f"{cfg.metric} {challenger:.4f} {'>=' if promoted else '<'} the champion's {champion:.4f} "
+            f"+ margin {cfg.margin:g}, on the same test split"
+        )
+    record = {
+        "model_uri": model_uri,
+        "run_id": run_id,
+        "metric": cfg.metric,
+        "value": challenger,
+        "test_sha256": test.sha256,
+        "test_reading": reading(test),
+        "promoted_at": datetime.now(UTC).isoformat(),
+    }
     if promoted and not storage.swap_json(pointer, version, record):
         winner = storage.read_json(pointer)
         promoted = False
-        why = (f"{why}, but while this run compared, run {winner['run_id']} made {winner['model_uri']} the champion "
-               f"({winner['metric']} {winner['value']:.4f}); the next run compares with it")
+        why = (
+            f"{why}, but while this run compared, run {winner['run_id']} made {winner['model_uri']} the champion "
+            f"({winner['metric']} {winner['value']:.4f}); the next run compares with it"
+        )
     if promoted:  # for what a promotion triggers (deployments/definitions.py): labelling with the new champion
         events.promoted(cfg.model_name, model_uri, cfg.metric, challenger, run_id, root)
-    decision = {"promoted": promoted, "reason": why, "floor": floor_words, "model_name": cfg.model_name, "metric": cfg.metric,
-                "challenger": challenger, "champion": champion, "previous_champion_uri": current and current["model_uri"],
-                "pointer": pointer}
+    decision = {
+        "promoted": promoted,
+        "reason": why,
+        "floor": floor_words,
+        "model_name": cfg.model_name,
+        "metric": cfg.metric,
+        "challenger": challenger,
+        "champion": champion,
+        "previous_champion_uri": current and current["model_uri"],
+        "pointer": pointer,
+    }
     get_run_logger().info("%s (%s)", verdict(decision).replace("`", ""), why)
-    create_markdown_artifact(key="promotion", markdown=f"### {model_uri}\n\n{verdict(decision)} ({why}).\n\nFloor: {floor_words}.\n\n"
-                                                       f"Pointer: `{pointer}`\n", description="The promotion gate's decision")
+    create_markdown_artifact(
+        key="promotion",
+        markdown=f"### {model_uri}\n\n{verdict(decision)} ({why}).\n\nFloor: {floor_words}.\n\nPointer: `{pointer}`\n",
+        description="The promotion gate's decision",
+    )
     return decision
 
 
 def verdict(decision: dict) -> str:
     """The decision in a few words (Markdown), for the log, the artifact and the report."""
     name = decision["model_name"]
-    return f"promoted to champion of `{name}`" if decision["promoted"] else f"not promoted: `{name}`'s champion is unchanged"
+    return (
+        f"promoted to champion of `{name}`"
+        if decision["promoted"]
+        else f"not promoted: `{name}`'s champion is unchanged"
+    )

@@ -36,8 +36,14 @@ def reap_on_exit() -> None:
         return
     _watched[:] = [os.getpid()]
     read_end, write_end = os.pipe()  # neither end is inherited by what this process starts later
-    subprocess.Popen([sys.executable, "-m", "tasks.reaper", str(os.getpid()), str(read_end)], pass_fds=[read_end],
-                     start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    subprocess.Popen(
+        [sys.executable, "-m", "tasks.reaper", str(os.getpid()), str(read_end)],
+        pass_fds=[read_end],
+        start_new_session=True,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     os.close(read_end)  # the write end stays open in this process alone: it closes when the process ends
 
 

@@ -27,7 +27,9 @@ def resolve(model_uri: str, root: str) -> str:
         return model_uri
     pointer = champion_pointer(root, match["name"])
     if not storage.exists(pointer):
-        raise ValueError(f"model_uri {model_uri}: the registry entry '{match['name']}' under {storage.normalize(root)} has no "
-                         f"champion yet (no {pointer}): a finetune run with promotion.model_name='{match['name']}' and this "
-                         "storage_root promotes one")
+        raise ValueError(
+            f"model_uri {model_uri}: the registry entry '{match['name']}' under {storage.normalize(root)} has no "
+            f"champion yet (no {pointer}): a finetune run with promotion.model_name='{match['name']}' and this "
+            "storage_root promotes one"
+        )
     return storage.read_json(pointer)["model_uri"]

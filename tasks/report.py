@@ -62,7 +62,7 @@ def png(figure: Figure) -> bytes:
 def training_plot(curve: dict) -> bytes:
     """Loss and accuracy against the optimizer step: training (averaged per logging interval) and validation."""
     figure = Figure(figsize=(11, 3.8))
-    for axes, measure in zip(figure.subplots(1, 2), ("loss", "accuracy")):
+    for axes, measure in zip(figure.subplots(1, 2), ("loss", "accuracy"), strict=True):
         for points, name, style in ((curve["train"], "training", "-"), (curve["validation"], "validation", "o-")):
             axes.plot([p["step"] for p in points], [p[measure] for p in points], style, label=name)
         axes.set(xlabel="optimizer step", ylabel=measure, title=measure)
@@ -80,8 +80,15 @@ def confusion_plot(metrics: dict) -> bytes:
     for row, values in enumerate(counts):
         for column, count in enumerate(values):
             axes.text(column, row, str(count), ha="center", va="center", color="white" if count > peak / 2 else "black")
-    axes.set(xticks=range(len(names)), yticks=range(len(names)), xticklabels=names, yticklabels=names,
-             xlabel="predicted", ylabel="true", title=f"test split, {metrics['rows']} rows")
+    axes.set(
+        xticks=range(len(names)),
+        yticks=range(len(names)),
+        xticklabels=names,
+        yticklabels=names,
+        xlabel="predicted",
+        ylabel="true",
+        title=f"test split, {metrics['rows']} rows",
+    )
     return png(figure)
 
 
@@ -92,16 +99,26 @@ def link(uri: str, under: str = "") -> str:
 
 
 def summary(metrics: dict, promotion: dict) -> list[str]:
-    return [f"Test accuracy **{metrics['accuracy']:.4f}**, macro F1 **{metrics['macro_f1']:.4f}** "
-            f"on {metrics['rows']} rows.", "", f"Promotion: **{verdict(promotion)}** ({promotion['reason']}).", "",
-            f"Promotion floor: {promotion['floor']}.", ""]
+    return [
+        f"Test accuracy **{metrics['accuracy']:.4f}**, macro F1 **{metrics['macro_f1']:.4f}** "
+        f"on {metrics['rows']} rows.",
+        "",
+        f"Promotion: **{verdict(promotion)}** ({promotion['reason']}).",
+        "",
+        f"Promotion floor: {promotion['floor']}.",
+        "",
+    ]
 
 
 def metric_rows(training: dict, metrics: dict, promotion: dict) -> list[dict]:
     last = training["history"][-1]
-    rows = [("train", "loss", last["train_loss"]), ("validation", "loss", last["val_loss"]),
-            ("validation", "accuracy", last["val_accuracy"]), ("test", "accuracy", metrics["accuracy"]),
-            ("test", "macro_f1", metrics["macro_f1"])]
+    rows = [
+        ("train", "loss", last["train_loss"]),
+        ("validation", "loss", last["val_loss"]),
+        ("validation", "accuracy", last["val_accuracy"]),
+        ("test", "accuracy", metrics["accuracy"]),
+        ("test", "macro_f1", metrics["macro_f1"]),
+    ]
     if promotion["champion"] is not None:
         rows.append(("test", f"champion {promotion['metric']}", promotion["champion"]))
     return [{"split": split, "metric": name, "value": round(value, 4)} for split, name, value in rows]
@@ -109,52 +126,121 @@ def metric_rows(training: dict, metrics: dict, promotion: dict) -> list[dict]:
 
 def table(rows: list[dict]) -> list[str]:
     columns = list(rows[0])
-    return (["| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
-            + ["| " + " | ".join(str(row[c]) for c in columns) + " |" for row in rows])
+    return ["| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"] + [
+        "| " + " | ".join(str(row[c]) for c in columns) + " |" for row in rows
+    ]
 
 
 def epoch_rows(training: dict) -> list[dict]:
-    return [{"epoch": e["epoch"], "step": e["step"], "train loss": round(e["train_loss"], 4), "val loss": round(e["val_loss"], 4),
-             "val accuracy": round(e["val_accuracy"], 4), "samples/s": round(e["samples_per_s"], 1),
-             "peak MiB per worker": round(e["peak_memory_mb"])} for e in training["history"]]
+    return [
+        {
+            "epoch": e["epoch"],
+            "step": e["step"],
+            "train loss": round(e["train_loss"], 4),
+            "val loss": round(e["val_loss"], 4),
+            "val accuracy": round(e["val_accuracy"], 4),
+            "samples/s": round(e["samples_per_s"], 1),
+            "peak MiB per worker": round(e["peak_memory_mb"]),
+        }
+        for e in training["history"]
+    ]
 
 
 def data_rows(splits: dict[str, Split], tokenized: dict[str, str], root: str) -> list[dict]:
-    return [{"split": name, "rows": split.total_rows, "MiB": round(sum(p.size for p in split.pieces) / 2**20, 2),
-             "files": len(split.uris), "sha256": f"`{split.sha256[:12]}`", "tokenized": link(tokenized[name], root)}
-            for name, split in splits.items()]
+    return [
+        {
+            "split": name,
+            "rows": split.total_rows,
+            "MiB": round(sum(p.size for p in split.pieces) / 2**20, 2),
+            "files": len(split.uris),
+            "sha256": f"`{split.sha256[:12]}`",
+            "tokenized": link(tokenized[name], root),
+        }
+        for name, split in splits.items()
+    ]
 
 
-def markdown(store: RunStore, config: dict, splits: dict[str, Split], outputs: dict, results: dict, seconds: dict,
-             images: dict[str, str]) -> str:
+def markdown(
+    store: RunStore,
+    config: dict,
+    splits: dict[str, Split],
+    outputs: dict,
+    results: dict,
+    seconds: dict,
+    images: dict[str, str],
+) -> str:
     """The report, with each plot at images[name]: a file beside it, or the PNG inline for the Prefect UI."""
     training, metrics, promotion = results["training"], results["test"], results["promotion"]
     root = storage.normalize(store.root)
-    stored = {"model": outputs["model"], "metrics": outputs["metrics"], "predictions": outputs["predictions"]["output_uri"],
-              "training checkpoints": outputs["checkpoints"], "report and plots": outputs["report"],
-              "manifest (config, versions, data hashes)": outputs["manifest"], "champion pointer": promotion["pointer"]}
+    stored = {
+        "model": outputs["model"],
+        "metrics": outputs["metrics"],
+        "predictions": outputs["predictions"]["output_uri"],
+        "training checkpoints": outputs["checkpoints"],
+        "report and plots": outputs["report"],
+        "manifest (config, versions, data hashes)": outputs["manifest"],
+        "champion pointer": promotion["pointer"],
+    }
+
     def plot_link(name: str) -> str:
         return f"Stored as {link(storage.join(store.report, PLOTS[name]), root)}"
 
-    lines = [f"# finetune run `{store.run_id}`", "", f"Run folder: {link(store.base)}", "",
-             *summary(metrics, promotion),
-             "## Metrics", "", *table(metric_rows(training, metrics, promotion)), "",
-             "## Training", "", f"![loss and accuracy per step]({images['training']})", "", plot_link("training"), "",
-             *table(epoch_rows(training)), "",
-             "## Confusion matrix (test)", "", f"![confusion matrix]({images['confusion']})", "", plot_link("confusion"), "",
-             confusion_markdown(metrics), "",
-             "## Data", "", *table(data_rows(splits, outputs["tokenized"], root)), "",
-             f"Predictions: {outputs['predictions']['rows']} rows from {outputs['predictions']['files']} file(s).", "",
-             "## Timings", "", *table([{"stage": stage, "seconds": s} for stage, s in seconds.items()]), "",
-             "## Stored artifacts", "", *table([{"what": what, "where": link(uri, root)} for what, uri in stored.items()]), "",
-             "## Configuration", "", "```json", json.dumps(config, indent=2), "```", "",
-             "Versions: " + ", ".join(f"{name} {v}" for name, v in versions().items()), ""]
+    lines = [
+        f"# finetune run `{store.run_id}`",
+        "",
+        f"Run folder: {link(store.base)}",
+        "",
+        *summary(metrics, promotion),
+        "## Metrics",
+        "",
+        *table(metric_rows(training, metrics, promotion)),
+        "",
+        "## Training",
+        "",
+        f"![loss and accuracy per step]({images['training']})",
+        "",
+        plot_link("training"),
+        "",
+        *table(epoch_rows(training)),
+        "",
+        "## Confusion matrix (test)",
+        "",
+        f"![confusion matrix]({images['confusion']})",
+        "",
+        plot_link("confusion"),
+        "",
+        confusion_markdown(metrics),
+        "",
+        "## Data",
+        "",
+        *table(data_rows(splits, outputs["tokenized"], root)),
+        "",
+        f"Predictions: {outputs['predictions']['rows']} rows from {outputs['predictions']['files']} file(s).",
+        "",
+        "## Timings",
+        "",
+        *table([{"stage": stage, "seconds": s} for stage, s in seconds.items()]),
+        "",
+        "## Stored artifacts",
+        "",
+        *table([{"what": what, "where": link(uri, root)} for what, uri in stored.items()]),
+        "",
+        "## Configuration",
+        "",
+        "```json",
+        json.dumps(config, indent=2),
+        "```",
+        "",
+        "Versions: " + ", ".join(f"{name} {v}" for name, v in versions().items()),
+        "",
+    ]
     return "\n".join(lines)
 
 
 @task(**RETRY_TRANSIENT)
-def publish_report(store: RunStore, config: dict, splits: dict[str, Split], outputs: dict, results: dict,
-                   seconds: dict) -> str:
+def publish_report(
+    store: RunStore, config: dict, splits: dict[str, Split], outputs: dict, results: dict, seconds: dict
+) -> str:
     """report.md and its plots in the run's report folder, and the same report and a metrics table as Prefect artifacts."""
     plots = {"training": training_plot(results["training"]["curve"]), "confusion": confusion_plot(results["test"])}
     for name, image in plots.items():
@@ -163,10 +249,16 @@ def publish_report(store: RunStore, config: dict, splits: dict[str, Split], outp
     storage.write_bytes(storage.join(store.report, "report.md"), beside.encode())
     # The Prefect UI cannot read the store (a local folder, a private bucket): its copy carries the plots inline.
     inline = {name: "data:image/png;base64," + base64.b64encode(image).decode() for name, image in plots.items()}
-    create_markdown_artifact(key="run-report", markdown=markdown(store, config, splits, outputs, results, seconds, inline),
-                             description=f"finetune run {store.run_id}")
-    create_table_artifact(key="run-metrics", table=metric_rows(results["training"], results["test"], results["promotion"]),
-                          description=f"Final metrics of run {store.run_id}")
+    create_markdown_artifact(
+        key="run-report",
+        markdown=markdown(store, config, splits, outputs, results, seconds, inline),
+        description=f"finetune run {store.run_id}",
+    )
+    create_table_artifact(
+        key="run-metrics",
+        table=metric_rows(results["training"], results["test"], results["promotion"]),
+        description=f"Final metrics of run {store.run_id}",
+    )
     return storage.join(store.report, "report.md")
 
 
@@ -174,11 +266,24 @@ def publish_report(store: RunStore, config: dict, splits: dict[str, Split], outp
 def publish_inference_report(model_ref: str, model_uri: str, parameters: dict, result: dict) -> None:
     """The batch_infer run's report: what labelled what, where the labels are, how fast."""
     named = f"`{model_ref}`, that is {link(model_uri)}" if model_ref != model_uri else link(model_uri)
-    lines = [f"# batch_infer: {result['rows']:,} rows labelled", "", f"Model: {named}", "",
-             f"Labels: {link(result['output_uri'])} (Parquet: id, text, label, score; complete once "
-             f"`{storage.MARKER}` is there)", "",
-             f"{result['files']} input file(s), {result['rows']:,} rows in {result['seconds']:.1f} s "
-             f"({result['rows'] / result['seconds']:,.0f} rows/s).", "",
-             "## Parameters", "", "```json", json.dumps(parameters, indent=2, default=str), "```", ""]
-    create_markdown_artifact(key="batch-inference-report", markdown="\n".join(lines),
-                             description=f"{model_ref} -> {result['output_uri']}")
+    lines = [
+        f"# batch_infer: {result['rows']:,} rows labelled",
+        "",
+        f"Model: {named}",
+        "",
+        f"Labels: {link(result['output_uri'])} (Parquet: id, text, label, score; complete once "
+        f"`{storage.MARKER}` is there)",
+        "",
+        f"{result['files']} input file(s), {result['rows']:,} rows in {result['seconds']:.1f} s "
+        f"({result['rows'] / result['seconds']:,.0f} rows/s).",
+        "",
+        "## Parameters",
+        "",
+        "```json",
+        json.dumps(parameters, indent=2, default=str),
+        "```",
+        "",
+    ]
+    create_markdown_artifact(
+        key="batch-inference-report", markdown="\n".join(lines), description=f"{model_ref} -> {result['output_uri']}"
+    )

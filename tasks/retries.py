@@ -21,10 +21,25 @@ from ray.train.v2.api.exceptions import TrainingFailedError
 
 # In the exception or its causes: builtins.ConnectionError covers resets, refusals and broken pipes
 # (and Ray Job submission to an unreachable head); TimeoutError a socket's timeout.
-TRANSIENT = (builtins.ConnectionError, TimeoutError, BotoConnectionError, HTTPClientError, NodeDiedError, ObjectLostError,
-             OwnerDiedError, RaySystemError)
+TRANSIENT = (
+    builtins.ConnectionError,
+    TimeoutError,
+    BotoConnectionError,
+    HTTPClientError,
+    NodeDiedError,
+    ObjectLostError,
+    OwnerDiedError,
+    RaySystemError,
+)
 # Words of a store's 5xx or throttling, as s3fs re-raises them (an OSError naming the code).
-TRANSIENT_WORDS = ("SlowDown", "ServiceUnavailable", "InternalError", "InternalServerError", "RequestTimeout", "Throttl")
+TRANSIENT_WORDS = (
+    "SlowDown",
+    "ServiceUnavailable",
+    "InternalError",
+    "InternalServerError",
+    "RequestTimeout",
+    "Throttl",
+)
 
 
 def transient(error: BaseException | None) -> bool:
@@ -36,7 +51,9 @@ def transient(error: BaseException | None) -> bool:
     seen = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
-        if isinstance(error, TRANSIENT) or (isinstance(error, OSError) and any(w in str(error) for w in TRANSIENT_WORDS)):
+        if isinstance(error, TRANSIENT) or (
+            isinstance(error, OSError) and any(w in str(error) for w in TRANSIENT_WORDS)
+        ):
             return True
         error = error.__cause__ or error.__context__
     return False
@@ -48,5 +65,9 @@ def _retry_if_transient(task, task_run, state) -> bool:
 
 # Four tries in about 1 + 2 + 4 s (x 0.5-1.5 jitter): longer than a store's throttling burst or a
 # connection reset, short beside a stage.
-RETRY_TRANSIENT = dict(retries=3, retry_delay_seconds=exponential_backoff(backoff_factor=1), retry_jitter_factor=0.5,
-                       retry_condition_fn=_retry_if_transient)
+RETRY_TRANSIENT = dict(
+    retries=3,
+    retry_delay_seconds=exponential_backoff(backoff_factor=1),
+    retry_jitter_factor=0.5,
+    retry_condition_fn=_retry_if_transient,
+)

@@ -42,7 +42,10 @@ def shards(splits: dict[str, Split], cpus: int) -> list[Shard]:
         before = list(accumulate(sizes, initial=0))
         # Each piece goes to the run its middle byte falls in: runs stay contiguous and balanced.
         runs = [min(count - 1, (before[i] + sizes[i] // 2) * count // total) for i in range(len(pieces))]
-        found += [Shard(name, run, tuple(p for p, r in zip(pieces, runs) if r == run)) for run in sorted(set(runs))]
+        found += [
+            Shard(name, run, tuple(p for p, r in zip(pieces, runs, strict=True) if r == run))
+            for run in sorted(set(runs))
+        ]
     return found
 
 
@@ -58,7 +61,8 @@ def write_shard(shard: Shard, schema: Schema, tokenizer: Tokenizer, target: str,
             for frame in labelled_frames(piece.uri, schema, piece=piece):
                 ids = [encoding.ids for encoding in tokenizer.encode_batch(frame["text"].tolist())]
                 row = piece.first_row - piece.file_row + frame.index.to_numpy()  # the file's row -> the split's
-                out.write_table(pa.table({"row": row, "label": frame["label"].to_numpy(), "input_ids": ids},
-                                         schema=SHARD_SCHEMA))
+                out.write_table(
+                    pa.table({"row": row, "label": frame["label"].to_numpy(), "input_ids": ids}, schema=SHARD_SCHEMA)
+                )
                 rows += len(frame)
     return rows

@@ -37,7 +37,7 @@ import sys
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -66,11 +66,16 @@ RAY_ACTORS = {"TrainController": "controller", "SplitCoordinator": "split coordi
 # Worker exits worth reporting: Ray ends idle workers itself (INTENDED_SYSTEM_EXIT) all the time.
 UNEXPECTED_EXITS = {common_pb2.SYSTEM_ERROR, common_pb2.USER_ERROR, common_pb2.NODE_OUT_OF_MEMORY}
 # Actor ends that are someone's intent, not a failure: an earlier stage's actor pool released or killed.
-DELIBERATE_ENDS = {common_pb2.ActorDiedErrorContext.OUT_OF_SCOPE, common_pb2.ActorDiedErrorContext.REF_DELETED,
-                   common_pb2.ActorDiedErrorContext.RAY_KILL}
-PTRACE_HINT = ("py-spy needs ptrace rights over Ray's workers: run it as root, or give the container the SYS_PTRACE "
-               "capability (Kubernetes: securityContext.capabilities.add: [SYS_PTRACE]); under kernel.yama.ptrace_scope >= 1 "
-               "an unprivileged user may not trace a process that is not its child, and --nonblocking needs the same rights")
+DELIBERATE_ENDS = {
+    common_pb2.ActorDiedErrorContext.OUT_OF_SCOPE,
+    common_pb2.ActorDiedErrorContext.REF_DELETED,
+    common_pb2.ActorDiedErrorContext.RAY_KILL,
+}
+PTRACE_HINT = (
+    "py-spy needs ptrace rights over Ray's workers: run it as root, or give the container the SYS_PTRACE "
+    "capability (Kubernetes: securityContext.capabilities.add: [SYS_PTRACE]); under kernel.yama.ptrace_scope >= 1 "
+    "an unprivileged user may not trace a process that is not its child, and --nonblocking needs the same rights"
+)
 
 
 class Process(BaseModel):
@@ -109,10 +114,17 @@ def gather(out: Folder, workers: list[Process], stuck: Process | None) -> str:
     dumped = workers + ray_actors(actors)
     dead = out.attempt("dead workers", lambda: dead_processes(actors, job), [])
     pending = dispatch(out, dumped, workers, dead)
-    out.json("cluster.json", out.attempt("the cluster's resources", cluster_state, {}), "free and total resources, "
-             "per node too; placement groups still waiting (PENDING, RESCHEDULING); the nodes")
-    out.json("dead.json", dead, f"{len(dead)} dead actor(s) and worker(s) of this job, the {MAX_DEAD} most recent at most, "
-             "with their death cause")
+    out.json(
+        "cluster.json",
+        out.attempt("the cluster's resources", cluster_state, {}),
+        "free and total resources, per node too; placement groups still waiting (PENDING, RESCHEDULING); the nodes",
+    )
+    out.json(
+        "dead.json",
+        dead,
+        f"{len(dead)} dead actor(s) and worker(s) of this job, the {MAX_DEAD} most recent at most, "
+        "with their death cause",
+    )
     results = collect(out, pending)
     stacks = write_results(out, results, dumped, workers)
     return top_frame(stacks.get(stuck.what, "")) if stuck else ""
@@ -126,44 +138,75 @@ def ray_actors(actors: list[dict]) -> list[Process]:
         kind = RAY_ACTORS.get(actor["ActorClassName"])
         if kind and actor["State"] == "ALIVE":
             count = sum(p.what.startswith(kind) for p in found)
-            found.append(Process(what=f"{kind} {count + 1}" if count else kind, node_id=actor["Address"]["NodeID"], pid=actor["Pid"]))
+            found.append(
+                Process(
+                    what=f"{kind} {count + 1}" if count else kind, node_id=actor["Address"]["NodeID"], pid=actor["Pid"]
+                )
+            )
     return found
 
 
 def dead_processes(actors: list[dict], job: str) -> list[dict]:
     """This job's actors and workers that ended unexpectedly (a worker that crashed, one killed for memory), with
     Ray's death cause, the most recent first."""
-    dead = {(a["Address"]["NodeID"], a["Pid"]): {
-        "name": slug(f"{a['ActorClassName'].rsplit('.', 1)[-1]}-{a['Pid']}"),  # a class's qualified name may hold <locals>
-        "actor_id": a["ActorID"], "node_id": a["Address"]["NodeID"], "pid": a["Pid"], "ended": moment(a["EndTime"]),
-        "death_cause": MessageToDict(a["DeathCause"], preserving_proto_field_name=True)}
-        for a in actors if a["State"] == "DEAD" and a["DeathCause"].actor_died_error_context.reason not in DELIBERATE_ENDS}
+    dead = {
+        (a["Address"]["NodeID"], a["Pid"]): {
+            "name": slug(
+                f"{a['ActorClassName'].rsplit('.', 1)[-1]}-{a['Pid']}"
+            ),  # a class's qualified name may hold <locals>
+            "actor_id": a["ActorID"],
+            "node_id": a["Address"]["NodeID"],
+            "pid": a["Pid"],
+            "ended": moment(a["EndTime"]),
+            "death_cause": MessageToDict(a["DeathCause"], preserving_proto_field_name=True),
+        }
+        for a in actors
+        if a["State"] == "DEAD" and a["DeathCause"].actor_died_error_context.reason not in DELIBERATE_ENDS
+    }
     # The worker table has no public reader (ray.state.workers() lists live workers only).
     for raw in state.state._connect_and_get_accessor().get_worker_table():
         worker = gcs_pb2.WorkerTableData.FromString(raw)
         if worker.is_alive or worker.job_id.hex() != job or worker.exit_type not in UNEXPECTED_EXITS:
             continue
-        entry = dead.setdefault((worker.worker_address.node_id.hex(), worker.pid), {
-            "name": f"worker-{worker.pid}", "node_id": worker.worker_address.node_id.hex(), "pid": worker.pid,
-            "ended": moment(worker.end_time_ms)})
+        entry = dead.setdefault(
+            (worker.worker_address.node_id.hex(), worker.pid),
+            {
+                "name": f"worker-{worker.pid}",
+                "node_id": worker.worker_address.node_id.hex(),
+                "pid": worker.pid,
+                "ended": moment(worker.end_time_ms),
+            },
+        )
         entry.update(exit_type=common_pb2.WorkerExitType.Name(worker.exit_type), exit_detail=worker.exit_detail)
     return sorted(dead.values(), key=lambda entry: entry["ended"], reverse=True)[:MAX_DEAD]
 
 
 def moment(epoch_ms: int) -> str:
-    return datetime.fromtimestamp(epoch_ms / 1000, timezone.utc).isoformat(timespec="milliseconds")
+    return datetime.fromtimestamp(epoch_ms / 1000, UTC).isoformat(timespec="milliseconds")
 
 
 def cluster_state() -> dict:
     nodes = ray.nodes()
     return {
-        "total": ray.cluster_resources(), "available": ray.available_resources(),
+        "total": ray.cluster_resources(),
+        "available": ray.available_resources(),
         "available_per_node": state.available_resources_per_node(),
         # RESCHEDULING: a group that lost a node and waits for room again, as a PENDING one does.
-        "placement_groups_waiting": [group for group in ray.util.placement_group_table().values()
-                                     if group["state"] in ("PENDING", "RESCHEDULING")],
-        "nodes": [{"node_id": node["NodeID"], "alive": node["Alive"], "address": node["NodeManagerAddress"],
-                   "resources": node["Resources"], "death": node.get("DeathReasonMessage", "")} for node in nodes],
+        "placement_groups_waiting": [
+            group
+            for group in ray.util.placement_group_table().values()
+            if group["state"] in ("PENDING", "RESCHEDULING")
+        ],
+        "nodes": [
+            {
+                "node_id": node["NodeID"],
+                "alive": node["Alive"],
+                "address": node["NodeManagerAddress"],
+                "resources": node["Resources"],
+                "death": node.get("DeathReasonMessage", ""),
+            }
+            for node in nodes
+        ],
     }
 
 
@@ -177,10 +220,15 @@ def dispatch(out: Folder, dumped: list[Process], workers: list[Process], dead: l
             out.failures.append(f"node {node}: not alive in Ray's node table; nothing collected there")
             continue
         here = [p for p in dumped if p.node_id == node]
-        logs = {slug(p.what): p.pid for p in workers if p.node_id == node} | {d["name"]: d["pid"] for d in dead if d["node_id"] == node}
+        logs = {slug(p.what): p.pid for p in workers if p.node_id == node} | {
+            d["name"]: d["pid"] for d in dead if d["node_id"] == node
+        }
         pending[node] = on_node.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(
-            stacks={p.what: p.pid for p in here}, environs={p.what: p.pid for p in workers if p.node_id == node},
-            logs=logs, gpu=any(p.node_id == node for p in workers))
+            stacks={p.what: p.pid for p in here},
+            environs={p.what: p.pid for p in workers if p.node_id == node},
+            logs=logs,
+            gpu=any(p.node_id == node for p in workers),
+        )
     return pending
 
 
@@ -199,7 +247,9 @@ def collect(out: Folder, pending: dict[str, ray.ObjectRef]) -> dict[str, dict]:
     return {node: result for node, result in results.items() if result is not None}
 
 
-def write_results(out: Folder, results: dict[str, dict], dumped: list[Process], workers: list[Process]) -> dict[str, str]:
+def write_results(
+    out: Folder, results: dict[str, dict], dumped: list[Process], workers: list[Process]
+) -> dict[str, str]:
     """Write what the nodes sent; returns the stacks, by `what`."""
     for result in results.values():
         out.secrets |= set(result["secrets"])
@@ -210,18 +260,32 @@ def write_results(out: Folder, results: dict[str, dict], dumped: list[Process], 
             continue
         if text := out.part(f"stack of {process.what}", result["stacks"][process.what]):
             stacks[process.what] = text
-            out.text(f"stacks/{slug(process.what)}.txt", text, f"py-spy dump of {process.what} (pid {process.pid}, node {process.node_id})")
+            out.text(
+                f"stacks/{slug(process.what)}.txt",
+                text,
+                f"py-spy dump of {process.what} (pid {process.pid}, node {process.node_id})",
+            )
     for process in workers:
         if process.node_id in results:
-            environment[process.what] = out.part(f"environment of {process.what}", results[process.node_id]["environs"][process.what])
-    out.json("environment.json", environment, f"{', '.join(f'{prefix}*' for prefix in SETTINGS)} of each training worker as it "
-             "started (/proc/<pid>/environ: what a process set in itself later is not there), secrets as <redacted>")
+            environment[process.what] = out.part(
+                f"environment of {process.what}", results[process.node_id]["environs"][process.what]
+            )
+    out.json(
+        "environment.json",
+        environment,
+        f"{', '.join(f'{prefix}*' for prefix in SETTINGS)} of each training worker as it "
+        "started (/proc/<pid>/environ: what a process set in itself later is not there), secrets as <redacted>",
+    )
     for node, result in results.items():
         if "nvidia_smi" in result and (text := out.part(f"nvidia-smi on node {node}", result["nvidia_smi"])):
             out.text(f"nvidia-smi/{node[:12]}.txt", text, f"nvidia-smi on node {node}")
         for name, tails in result["logs"].items():
             for suffix, text in (out.part(f"log of {name}", tails) or {}).items():
-                out.text(f"logs/{name}.{suffix}", text, f"the last {TAIL_LINES} lines of {name}'s worker-*.{suffix} on node {node[:12]}")
+                out.text(
+                    f"logs/{name}.{suffix}",
+                    text,
+                    f"the last {TAIL_LINES} lines of {name}'s worker-*.{suffix} on node {node[:12]}",
+                )
     return stacks
 
 
@@ -256,11 +320,21 @@ def on_node(stacks: dict[str, int], environs: dict[str, int], logs: dict[str, in
         smi = pool.submit(attempt, nvidia_smi) if gpu else None
         environments = {what: attempt(read_environ, pid) for what, pid in (stacks | environs).items()}
         result = {
-            "environs": {what: attempt(settings, environments[what]["value"]) if "value" in environments[what]
-                         else environments[what] for what in environs},
+            "environs": {
+                what: attempt(settings, environments[what]["value"])
+                if "value" in environments[what]
+                else environments[what]
+                for what in environs
+            },
             "logs": {name: attempt(log_tails, pid) for name, pid in logs.items()},
-            "secrets": sorted(secret_values(os.environ) | {value for environment in environments.values()
-                                                            for value in secret_values(environment.get("value", {}))}),
+            "secrets": sorted(
+                secret_values(os.environ)
+                | {
+                    value
+                    for environment in environments.values()
+                    for value in secret_values(environment.get("value", {}))
+                }
+            ),
             "stacks": {what: dump.result() for what, dump in dumps.items()},
         }
         if smi:
@@ -271,7 +345,7 @@ def on_node(stacks: dict[str, int], environs: dict[str, int], logs: dict[str, in
 def attempt(function: Callable, *args: Any) -> dict:
     try:
         return {"value": function(*args)}
-    except Exception as error:
+    except Exception as error:  # noqa: BLE001 -- a probe that fails is a line of the stall report
         return {"error": f"{type(error).__name__}: {error}"}
 
 
@@ -282,8 +356,13 @@ def py_spy(pid: int) -> str:
     if not binary:
         raise FileNotFoundError(f"no py-spy beside {sys.executable} or on PATH (it comes with ray[default])")
     # RUST_BACKTRACE=0: py-spy's own backtrace would bury its one-line reason.
-    done = subprocess.run([binary, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S,
-                          env={**os.environ, "RUST_BACKTRACE": "0"})
+    done = subprocess.run(
+        [binary, "dump", "--pid", str(pid)],
+        capture_output=True,
+        text=True,
+        timeout=COMMAND_TIMEOUT_S,
+        env={**os.environ, "RUST_BACKTRACE": "0"},
+    )
     if done.returncode:
         reason = " ".join(done.stderr.split())
         raise RuntimeError(f"{reason} ({PTRACE_HINT})" if "ermission" in reason else reason)
@@ -306,8 +385,11 @@ def read_environ(pid: int) -> dict[str, str]:
 
 
 def settings(environment: dict[str, str]) -> dict[str, str]:
-    return {name: REDACTED if SECRET.search(name) else value
-            for name, value in sorted(environment.items()) if name.startswith(SETTINGS)}
+    return {
+        name: REDACTED if SECRET.search(name) else value
+        for name, value in sorted(environment.items())
+        if name.startswith(SETTINGS)
+    }
 
 
 def secret_values(environment: Mapping[str, str]) -> set[str]:
@@ -370,7 +452,7 @@ class Folder:
         try:
             storage.write_bytes(storage.join(self.uri, name), text.encode())
             self.written.append((name, about))
-        except Exception as error:
+        except Exception as error:  # noqa: BLE001 -- the report says what it could not write
             self.failures.append(f"{name}: not written: {type(error).__name__}: {error}")
 
     def json(self, name: str, payload: Any, about: str) -> None:
@@ -378,12 +460,16 @@ class Folder:
         self.text(name, json.dumps(payload, indent=2, sort_keys=True, default=str, ensure_ascii=False), about)
 
     def summarise(self, seconds: float, stuck: Process | None, frame: str) -> None:
-        when = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        when = datetime.now(UTC).isoformat(timespec="seconds")
         lines = [f"# Stall report, {when}", "", f"Collected in {seconds:.1f} s."]
         if stuck:
-            lines.append(f"Stuck: {stuck.what} (pid {stuck.pid}, node {stuck.node_id}); top frame: {frame or 'unknown'}")
+            lines.append(
+                f"Stuck: {stuck.what} (pid {stuck.pid}, node {stuck.node_id}); top frame: {frame or 'unknown'}"
+            )
         lines += ["", "## Files", ""] + [f"- `{name}`: {about}" for name, about in self.written]
-        lines += ["", "## Not collected", ""] + ([f"- {failure}" for failure in self.failures] or ["- nothing: every part was collected"])
+        lines += ["", "## Not collected", ""] + (
+            [f"- {failure}" for failure in self.failures] or ["- nothing: every part was collected"]
+        )
         self.text("README.md", "\n".join(lines) + "\n", "this summary")
         if not self.written or self.written[-1][0] != "README.md":
             log.warning("stall report: README.md not written in %s: %s", self.uri, self.failures[-1])

@@ -78,10 +78,14 @@ def check_writable(uri: str, what: str) -> None:
     try:
         fs.call_s3("head_bucket", Bucket=bucket)  # s3fs's exists() says False for a store it cannot reach too
     except FileNotFoundError:
-        raise ValueError(f"{what} {uri}: bucket '{bucket}' does not exist; ftflow creates no buckets: create it or fix the name") from None
+        raise ValueError(
+            f"{what} {uri}: bucket '{bucket}' does not exist; ftflow creates no buckets: create it or fix the name"
+        ) from None
     except NoCredentialsError:
-        raise ValueError(f"{what} {uri}: no S3 credentials found: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or "
-                         "AWS_PROFILE, or give this machine a role") from None
+        raise ValueError(
+            f"{what} {uri}: no S3 credentials found: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or "
+            "AWS_PROFILE, or give this machine a role"
+        ) from None
     except PermissionError as error:
         raise ValueError(f"{what} {uri}: this machine's credentials may not use bucket '{bucket}': {error}") from None
     except (BotoCoreError, OSError) as error:  # no connection, DNS, TLS: botocore's words name the endpoint
@@ -184,8 +188,10 @@ def safe_name(value: str, what: str) -> str:
     """A name that becomes one path segment (a run id, a model name): never '/', '..' or absolute,
     so that nothing ftflow writes or deletes under it can land outside its folder."""
     if not SAFE_NAME.match(value):
-        raise UnsafeOutput(f"{what} {value!r}: use 1-128 letters, digits, '.', '_' or '-', starting with a letter or "
-                           f"digit (it names a folder in storage; '/' and '..' would leave it)")
+        raise UnsafeOutput(
+            f"{what} {value!r}: use 1-128 letters, digits, '.', '_' or '-', starting with a letter or "
+            f"digit (it names a folder in storage; '/' and '..' would leave it)"
+        )
     return value
 
 
@@ -208,8 +214,10 @@ def refuse_overlap(outputs: list[str], inputs: list[str]) -> None:
     for output in outputs:
         for input_ in inputs:
             if how := _overlap(output, input_):
-                raise UnsafeOutput(f"output {normalize(output)} {how} the input {normalize(input_)}: ftflow never writes "
-                                   f"where it reads; choose an output location apart from every input")
+                raise UnsafeOutput(
+                    f"output {normalize(output)} {how} the input {normalize(input_)}: ftflow never writes "
+                    f"where it reads; choose an output location apart from every input"
+                )
 
 
 # Written last into an output folder (tokenized shards, predictions), so a reader can tell a complete
@@ -242,8 +250,14 @@ class OutputFolder:
         records = {name: read_json(join(self.uri, name)) for name in (MARKER, CLAIM) if name in present}
         listed = set(records.get(MARKER, {}).get("files", [])) | set(records.get(CLAIM, {}).get("replacing", []))
         job = records.get(CLAIM, {}).get("job")
-        return {f for f in present if f in listed or f in (MARKER, CLAIM) or (job and Path(f).name.startswith(f"{job}_"))
-                or any(Path(f).name.startswith(f".{record}.") for record in (MARKER, CLAIM))}
+        return {
+            f
+            for f in present
+            if f in listed
+            or f in (MARKER, CLAIM)
+            or (job and Path(f).name.startswith(f"{job}_"))
+            or any(Path(f).name.startswith(f".{record}.") for record in (MARKER, CLAIM))
+        }
 
     def check(self) -> set[str]:
         """Refuse a folder holding a file ftflow did not record; else the files it did record."""
@@ -254,10 +268,12 @@ class OutputFolder:
         owned = self._owned(present)
         foreign = sorted(present - owned)
         if foreign:
-            raise UnsafeOutput(f"output {normalize(self.uri)} holds {join(normalize(self.uri), foreign[0])}"
-                               f"{f' and {len(foreign) - 1} more file(s)' if len(foreign) > 1 else ''}, which ftflow did "
-                               "not write: ftflow writes only into an empty folder or over its own earlier output; "
-                               "choose another output location")
+            raise UnsafeOutput(
+                f"output {normalize(self.uri)} holds {join(normalize(self.uri), foreign[0])}"
+                f"{f' and {len(foreign) - 1} more file(s)' if len(foreign) > 1 else ''}, which ftflow did "
+                "not write: ftflow writes only into an empty folder or over its own earlier output; "
+                "choose another output location"
+            )
         return owned
 
     def start(self) -> str:
@@ -283,7 +299,9 @@ class OutputFolder:
         deployments' concurrency limits prevent) fails rather than vouch for a mixed folder."""
         claim = join(self.uri, CLAIM)
         if not exists(claim) or read_json(claim)["job"] != job:
-            raise RuntimeError(f"{normalize(self.uri)}: another job took this folder over while job {job} wrote; run again")
+            raise RuntimeError(
+                f"{normalize(self.uri)}: another job took this folder over while job {job} wrote; run again"
+            )
         write_json(join(self.uri, MARKER), {**summary, "files": written})
         self._remove(CLAIM)
 
@@ -351,8 +369,10 @@ class RunStore:
         names = {Path(found).name for found in fs.ls(path, detail=False)} if fs.isdir(path) else set()
         foreign = sorted(names - self.LAYOUT)
         if foreign:
-            raise UnsafeOutput(f"run folder {self.base} holds {join(self.base, foreign[0])}, which ftflow did not write: "
-                               "choose another run_id")
+            raise UnsafeOutput(
+                f"run folder {self.base} holds {join(self.base, foreign[0])}, which ftflow did not write: "
+                "choose another run_id"
+            )
         OutputFolder(self.predictions).check()
 
     @property

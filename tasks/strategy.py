@@ -28,7 +28,10 @@ CPU_PROCESS_BYTES = int(0.65 * GIB)
 
 ZERO = [{"zero_stage": stage} for stage in range(4)]
 SPLITS = (2, 4, 8)  # tensor-parallel and pipeline sizes tried
-OFFLOAD = [{"zero_stage": 3, "offload_optimizer": True}, {"zero_stage": 3, "offload_optimizer": True, "offload_params": True}]
+OFFLOAD = [
+    {"zero_stage": 3, "offload_optimizer": True},
+    {"zero_stage": 3, "offload_optimizer": True, "offload_params": True},
+]
 
 
 class Choice(BaseModel):
@@ -59,11 +62,15 @@ class ModelSize:
         with torch.device("meta"):
             model = AutoModelForSequenceClassification.from_config(config)
         encoder = getattr(getattr(model.base_model, "encoder", None), "layer", None)
-        return cls(params=sum(p.numel() for p in model.parameters()),
-                   layer_params=sum(p.numel() for p in encoder.parameters()) if encoder is not None else 0,
-                   largest_layer=max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()),
-                   hidden=config.hidden_size, heads=config.num_attention_heads, layers=config.num_hidden_layers,
-                   intermediate=getattr(config, "intermediate_size", 4 * config.hidden_size))
+        return cls(
+            params=sum(p.numel() for p in model.parameters()),
+            layer_params=sum(p.numel() for p in encoder.parameters()) if encoder is not None else 0,
+            largest_layer=max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()),
+            hidden=config.hidden_size,
+            heads=config.num_attention_heads,
+            layers=config.num_hidden_layers,
+            intermediate=getattr(config, "intermediate_size", 4 * config.hidden_size),
+        )
 
 
 def model_state_bytes(size: ModelSize, settings: dict, workers: int) -> int:
@@ -83,8 +90,9 @@ def model_state_bytes(size: ModelSize, settings: dict, workers: int) -> int:
     replicas = max(1, workers // (tp * pp))
     stage, offload = settings.get("zero_stage", 0), settings.get("offload_optimizer", False)
     if stage == 3:
-        return estimate_zero3_model_states_mem_needs(params, size.largest_layer // tp, replicas, 1, offload,
-                                                     settings.get("offload_params", False))[1]
+        return estimate_zero3_model_states_mem_needs(
+            params, size.largest_layer // tp, replicas, 1, offload, settings.get("offload_params", False)
+        )[1]
     if stage == 2:
         return estimate_zero2_model_states_mem_needs(params, replicas, 1, offload)[1]
     return 4 * params + 16 * params // (replicas if stage == 1 else 1)
@@ -102,9 +110,18 @@ def activation_bytes(size: ModelSize, micro_batch: int, seq: int, tp: int, pp: i
 def candidates(use_gpu: bool) -> list[dict]:
     """Fastest first (see above); pipelines with ZeRO-1 at most, all DeepSpeed's pipeline engine takes."""
     last = OFFLOAD[-1] if use_gpu else ZERO[-1]
-    measured = [ZERO[0], {"zero_stage": 0, "tensor_parallel_size": 2}, {"zero_stage": 0, "pipeline_parallel_size": 2}, *ZERO[1:],
-                *(OFFLOAD if use_gpu else [])]
-    return [*measured, *({**last, "tensor_parallel_size": size} for size in SPLITS), *({**ZERO[1], "pipeline_parallel_size": size} for size in SPLITS)]
+    measured = [
+        ZERO[0],
+        {"zero_stage": 0, "tensor_parallel_size": 2},
+        {"zero_stage": 0, "pipeline_parallel_size": 2},
+        *ZERO[1:],
+        *(OFFLOAD if use_gpu else []),
+    ]
+    return [
+        *measured,
+        *({**last, "tensor_parallel_size": size} for size in SPLITS),
+        *({**ZERO[1], "pipeline_parallel_size": size} for size in SPLITS),
+    ]
 
 
 def pick(options: list[tuple[dict, int, int]]) -> Choice:
@@ -113,13 +130,19 @@ def pick(options: list[tuple[dict, int, int]]) -> Choice:
     for index, (settings, need, budget) in enumerate(options):
         if need <= budget:
             faster = ", ".join(f"{describe(s)} ~{n / GIB:.2f}" for s, n, _ in options[:index])
-            reason = (f"{describe(settings)} needs ~{need / GIB:.2f} GiB per worker of the {budget / GIB:.2f} GiB each has"
-                      + (f"; the faster need more ({faster})" if faster else ", and it is the fastest"))
-            return Choice(settings=settings, need_gb=round(need / GIB, 3), budget_gb=round(budget / GIB, 3), reason=reason)
+            reason = (
+                f"{describe(settings)} needs ~{need / GIB:.2f} GiB per worker of the {budget / GIB:.2f} GiB each has"
+                + (f"; the faster need more ({faster})" if faster else ", and it is the fastest")
+            )
+            return Choice(
+                settings=settings, need_gb=round(need / GIB, 3), budget_gb=round(budget / GIB, 3), reason=reason
+            )
     settings, need, budget = min(options, key=lambda option: option[1] - option[2])
-    raise ValueError(f"train.strategy=auto: no strategy fits a worker; the closest, {describe(settings)}, needs ~{need / GIB:.2f} GiB "
-                     f"per worker of the {budget / GIB:.2f} GiB each has: give workers more memory (train.memory_per_worker_gb, "
-                     "larger nodes), or shorten model.max_length or train.micro_batch_size")
+    raise ValueError(
+        f"train.strategy=auto: no strategy fits a worker; the closest, {describe(settings)}, needs ~{need / GIB:.2f} GiB "
+        f"per worker of the {budget / GIB:.2f} GiB each has: give workers more memory (train.memory_per_worker_gb, "
+        "larger nodes), or shorten model.max_length or train.micro_batch_size"
+    )
 
 
 def describe(settings: dict) -> str:
@@ -145,7 +168,9 @@ def memory_per_cpu(use_gpu: bool) -> float | None:
         return None
     nodes = [node["Resources"] for node in ray.nodes() if node["Alive"] and node["Resources"].get("CPU")]
     if not nodes:  # a cluster at rest, its workers' nodes yet to come
-        raise ValueError("train.strategy=auto: no node with CPUs is up to read a worker's memory from: set train.memory_per_worker_gb")
+        raise ValueError(
+            "train.strategy=auto: no node with CPUs is up to read a worker's memory from: set train.memory_per_worker_gb"
+        )
     return min(node.get("memory", 0) / node["CPU"] for node in nodes)
 
 
@@ -166,5 +191,8 @@ def need_bytes(size: ModelSize, settings: dict, workers: int, micro_batch: int, 
     tp, pp = settings.get("tensor_parallel_size", 1), settings.get("pipeline_parallel_size", 1)
     process = 0 if use_gpu else CPU_PROCESS_BYTES
     # a replica's micro-batch is its ranks' together (tasks/train_worker.py Replica)
-    return model_state_bytes(size, settings, workers) + activation_bytes(size, micro_batch * tp * pp, seq, tp, pp) + process
-
+    return (
+        model_state_bytes(size, settings, workers)
+        + activation_bytes(size, micro_batch * tp * pp, seq, tp, pp)
+        + process
+    )

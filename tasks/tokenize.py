@@ -74,15 +74,23 @@ def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
     try:
         tokenizer = AutoTokenizer.from_pretrained(name_or_path, **hub_free(name_or_path))
     except (OSError, ValueError) as error:  # a hub id that is not in the local cache, or not on the hub
-        offline = " (HF_HUB_OFFLINE is set: nothing is downloaded)" if os.environ.get("HF_HUB_OFFLINE") in ("1", "true") else ""
-        raise ValueError(f"model.name_or_path {name_or_path}: not a folder here, and the Hugging Face hub does not resolve it"
-                         f"{offline}: {str(error).splitlines()[0]}") from None
+        offline = (
+            " (HF_HUB_OFFLINE is set: nothing is downloaded)"
+            if os.environ.get("HF_HUB_OFFLINE") in ("1", "true")
+            else ""
+        )
+        raise ValueError(
+            f"model.name_or_path {name_or_path}: not a folder here, and the Hugging Face hub does not resolve it"
+            f"{offline}: {str(error).splitlines()[0]}"
+        ) from None
     if not tokenizer.is_fast:
         raise ValueError(f"model.name_or_path {name_or_path}: ftflow needs a fast (Rust) tokenizer, tokenizer.json")
     return tokenizer
 
 
-def tokenize_key(splits: dict[str, Split], tokenizer: PreTrainedTokenizerBase, max_length: int, root: str) -> TokenizeKey:
+def tokenize_key(
+    splits: dict[str, Split], tokenizer: PreTrainedTokenizerBase, max_length: int, root: str
+) -> TokenizeKey:
     vocab = json.dumps([tokenizer.backend_tokenizer.to_str(), tokenizer.model_max_length], sort_keys=True)
     return TokenizeKey(
         data_sha256={name: split.sha256 for name, split in splits.items()},
@@ -93,7 +101,9 @@ def tokenize_key(splits: dict[str, Split], tokenizer: PreTrainedTokenizerBase, m
     )
 
 
-def _tokenize_splits(splits: dict[str, Split], tokenizer: Tokenizer, targets: dict[str, str], job: str) -> dict[str, int]:
+def _tokenize_splits(
+    splits: dict[str, Split], tokenizer: Tokenizer, targets: dict[str, str], job: str
+) -> dict[str, int]:
     """Every split's shards as Ray tasks, at most one running per CPU: the work is CPU-bound, and
     on a 2-CPU machine eight at once ran 4x slower, starting Ray workers that add no speed. READ_CPUS
     each still, so the tasks never wait on CPUs that model workers hold. Plain tasks rather than a
@@ -126,7 +136,10 @@ def collect(running: dict, written: dict[str, int], finished: int, planned: int)
     """Wait for one of the running shards; add its rows to its split's; tell that `finished` of `planned` are done."""
     [done], _ = ray.wait(list(running), num_returns=1)
     written[running.pop(done)] += ray.get(done)
-    log_tick(jobs.log, Tick(stage="tokenize", done=finished, total=planned, unit="shards", text=f"{sum(written.values()):,} rows"))
+    log_tick(
+        jobs.log,
+        Tick(stage="tokenize", done=finished, total=planned, unit="shards", text=f"{sum(written.values()):,} rows"),
+    )
 
 
 # How long a run that died holding a shard set's writer slot keeps it: Prefect renews the lease
@@ -160,7 +173,9 @@ def tokenize(
             get_run_logger().info("using the tokenized shards at %s", key.target)
             return key.uris
         with Tracked("tokenization-progress", "Tokenization: % of the shards written") as progress:
-            return jobs.run(tokenized_shards, ray_address, progress, key=key, splits=splits, model_name_or_path=model_name_or_path)
+            return jobs.run(
+                tokenized_shards, ray_address, progress, key=key, splits=splits, model_name_or_path=model_name_or_path
+            )
 
 
 def tokenized_shards(key: TokenizeKey, splits: dict[str, Split], model_name_or_path: str) -> dict[str, str]:
@@ -173,7 +188,9 @@ def tokenized_shards(key: TokenizeKey, splits: dict[str, Split], model_name_or_p
     rows = _tokenize_splits(splits, tokenizer, uris, job)
     for name in SPLITS:
         if rows[name] != splits[name].total_rows:  # a file changed since it was checked
-            raise RuntimeError(f"{name}: wrote {rows[name]} rows, but its files held {splits[name].total_rows} when checked")
+            raise RuntimeError(
+                f"{name}: wrote {rows[name]} rows, but its files held {splits[name].total_rows} when checked"
+            )
     output.complete(job, output.written(job), {"rows": rows})
     jobs.log.info("tokenized %s rows into %s", rows, key.target)
     return uris

@@ -29,7 +29,11 @@ HTTP_RETRIES, HTTP_TIMEOUT_S = "0", "10"
 def tracking_uri(storage_root: str) -> str | None:
     if uri := os.environ.get("MLFLOW_TRACKING_URI"):
         return uri
-    return None if storage.is_remote(storage_root) else f"sqlite:///{storage.join(storage.normalize(storage_root), 'mlflow.db')}"
+    return (
+        None
+        if storage.is_remote(storage_root)
+        else f"sqlite:///{storage.join(storage.normalize(storage_root), 'mlflow.db')}"
+    )
 
 
 def redacted(text: str, uri: str) -> str:
@@ -56,11 +60,19 @@ def flat(config: dict, prefix: str = "") -> dict[str, str]:
 def metrics_of(results: dict, seconds: dict) -> list[tuple[str, float, int]]:
     """(name, value, step): the curve at its steps, then the final numbers at step 0."""
     curve, last = results["training"]["curve"], results["training"]["history"][-1]
-    points = [(f"{split}_{measure}", point[measure], point["step"])
-              for split, name in (("train", "train"), ("val", "validation")) for point in curve[name] for measure in ("loss", "accuracy")]
-    final = {"test_accuracy": results["test"]["accuracy"], "test_macro_f1": results["test"]["macro_f1"],
-             "samples_per_s": last["samples_per_s"], "peak_memory_mb": last["peak_memory_mb"],
-             **{"seconds." + stage.replace(" ", "_").replace("'", ""): value for stage, value in seconds.items()}}
+    points = [
+        (f"{split}_{measure}", point[measure], point["step"])
+        for split, name in (("train", "train"), ("val", "validation"))
+        for point in curve[name]
+        for measure in ("loss", "accuracy")
+    ]
+    final = {
+        "test_accuracy": results["test"]["accuracy"],
+        "test_macro_f1": results["test"]["macro_f1"],
+        "samples_per_s": last["samples_per_s"],
+        "peak_memory_mb": last["peak_memory_mb"],
+        **{"seconds." + stage.replace(" ", "_").replace("'", ""): value for stage, value in seconds.items()},
+    }
     return points + [(name, float(value), 0) for name, value in final.items()]
 
 
@@ -71,15 +83,22 @@ def track(params: FinetuneParams, store: RunStore, results: dict, seconds: dict)
     if uri is None:
         logger.info("not tracked in MLflow: an S3 storage root has no default store; set MLFLOW_TRACKING_URI")
         return None
-    for name, value in (("MLFLOW_HTTP_REQUEST_MAX_RETRIES", HTTP_RETRIES), ("MLFLOW_HTTP_REQUEST_TIMEOUT", HTTP_TIMEOUT_S)):
+    for name, value in (
+        ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", HTTP_RETRIES),
+        ("MLFLOW_HTTP_REQUEST_TIMEOUT", HTTP_TIMEOUT_S),
+    ):
         os.environ.setdefault(name, value)
     try:
         run_id = logged(uri, params, store, results, seconds)
-    except Exception as error:  # noqa: BLE001: tracking is a record of the run, never a reason to fail it
+    except Exception as error:  # noqa: BLE001 -- tracking is a record of the run, never a reason to fail it
         first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
-        logger.warning("MLflow tracking at %s failed, the run goes on: %s", redacted(uri, uri), redacted(first_line, uri))
+        logger.warning(
+            "MLflow tracking at %s failed, the run goes on: %s", redacted(uri, uri), redacted(first_line, uri)
+        )
         return None
-    logger.info("tracked in MLflow at %s: experiment %s, run %s", redacted(uri, uri), params.promotion.model_name, store.run_id)
+    logger.info(
+        "tracked in MLflow at %s: experiment %s, run %s", redacted(uri, uri), params.promotion.model_name, store.run_id
+    )
     return run_id
 
 
@@ -89,8 +108,13 @@ def logged(uri: str, params: FinetuneParams, store: RunStore, results: dict, sec
 
     client = MlflowClient(uri)
     experiment = client.get_experiment_by_name(params.promotion.model_name)
-    experiment_id = experiment.experiment_id if experiment else client.create_experiment(
-        params.promotion.model_name, artifact_location=default_artifacts(params.storage_root))
+    experiment_id = (
+        experiment.experiment_id
+        if experiment
+        else client.create_experiment(
+            params.promotion.model_name, artifact_location=default_artifacts(params.storage_root)
+        )
+    )
     # A flow run retried (same run id) logs into its MLflow run again rather than adding a second one.
     [found] = client.search_runs([experiment_id], f"tags.`ftflow.run_id` = '{store.run_id}'", max_results=1) or [None]
     run = found or client.create_run(experiment_id, run_name=store.run_id, tags={"ftflow.run_id": store.run_id})
@@ -99,13 +123,22 @@ def logged(uri: str, params: FinetuneParams, store: RunStore, results: dict, sec
     metrics = [Metric(name, value, stamp, step) for name, value, step in metrics_of(results, seconds)]
     logged_params = [] if found else [Param(key, value) for key, value in flat(params.model_dump(mode="json")).items()]
     for start in range(0, len(metrics), 1000):  # MLflow takes at most 1,000 metrics and 100 params a call
-        client.log_batch(run_id, metrics=metrics[start:start + 1000])
+        client.log_batch(run_id, metrics=metrics[start : start + 1000])
     for start in range(0, len(logged_params), 100):
-        client.log_batch(run_id, params=logged_params[start:start + 100])
-    client.log_batch(run_id, tags=[RunTag(key, value) for key, value in {
-        "ftflow.run_dir": store.base, "ftflow.model_uri": store.model_dir, "ftflow.report": storage.join(store.report, "report.md"),
-        "ftflow.promoted": str(promotion["promoted"]).lower(), "ftflow.promotion": promotion.get("reason", ""),
-    }.items()])
+        client.log_batch(run_id, params=logged_params[start : start + 100])
+    client.log_batch(
+        run_id,
+        tags=[
+            RunTag(key, value)
+            for key, value in {
+                "ftflow.run_dir": store.base,
+                "ftflow.model_uri": store.model_dir,
+                "ftflow.report": storage.join(store.report, "report.md"),
+                "ftflow.promoted": str(promotion["promoted"]).lower(),
+                "ftflow.promotion": promotion.get("reason", ""),
+            }.items()
+        ],
+    )
     with tempfile.TemporaryDirectory() as folder:
         client.log_artifacts(run_id, str(storage.download_dir(store.report, folder)), "report")
     client.set_terminated(run_id)
@@ -114,5 +147,8 @@ def logged(uri: str, params: FinetuneParams, store: RunStore, results: dict, sec
 
 def default_artifacts(storage_root: str) -> str | None:
     """Beside the default SQLite store; a server or store the user named keeps its own default."""
-    return None if os.environ.get("MLFLOW_TRACKING_URI") else storage.join(storage.normalize(storage_root), "mlflow-artifacts")
-
+    return (
+        None
+        if os.environ.get("MLFLOW_TRACKING_URI")
+        else storage.join(storage.normalize(storage_root), "mlflow-artifacts")
+    )

@@ -14,10 +14,18 @@ import pyarrow.dataset
 import ray
 from prefect import get_run_logger, task
 from ray.data import DataContext
-from ray.train import CheckpointConfig, ControllerError, DataConfig, FailureConfig, RunConfig, ScalingConfig, WorkerGroupError
+from ray.train import (
+    CheckpointConfig,
+    ControllerError,
+    DataConfig,
+    FailureConfig,
+    RunConfig,
+    ScalingConfig,
+    WorkerGroupError,
+)
+from ray.train.torch import TorchConfig, TorchTrainer
 from ray.train.v2._internal.constants import HEALTH_CHECK_INTERVAL_S_ENV_VAR, WORKER_GROUP_START_TIMEOUT_S_ENV_VAR
 from ray.train.v2._internal.exceptions import WorkerGroupStartupTimeoutError
-from ray.train.torch import TorchConfig, TorchTrainer
 from transformers import AutoConfig
 
 from tasks import cluster, jobs, storage, strategy
@@ -90,13 +98,17 @@ def check_parallelism(cfg: TrainConfig, model: ModelConfig) -> None:
     name, size = split_field(cfg), model_parallel(cfg)
     config = AutoConfig.from_pretrained(model.name_or_path, **hub_free(model.name_or_path))
     if config.model_type not in SPLITTABLE:
-        raise ValueError(f"train.{name}={size}: {model.name_or_path} is a '{config.model_type}' model, and ftflow "
-                         f"splits BERT-family encoders only ({', '.join(sorted(SPLITTABLE))}): set it to 1")
+        raise ValueError(
+            f"train.{name}={size}: {model.name_or_path} is a '{config.model_type}' model, and ftflow "
+            f"splits BERT-family encoders only ({', '.join(sorted(SPLITTABLE))}): set it to 1"
+        )
     fields = ("num_attention_heads", "intermediate_size") if name == "tensor_parallel_size" else ("num_hidden_layers",)
     for field in fields:
         if getattr(config, field) % size:
-            raise ValueError(f"train.{name}={size} does not divide the model's {field}={getattr(config, field)}: "
-                             f"use a divisor of {getattr(config, field)}")
+            raise ValueError(
+                f"train.{name}={size} does not divide the model's {field}={getattr(config, field)}: "
+                f"use a divisor of {getattr(config, field)}"
+            )
 
 
 def plan(cfg: TrainConfig, resources: cluster.Resources) -> Plan:
@@ -108,10 +120,14 @@ def plan(cfg: TrainConfig, resources: cluster.Resources) -> Plan:
     if cfg.num_workers is None:
         fits, workers = workers, max(group, workers - workers % group)  # whole groups
         if workers > fits and not resources.can_grow:
-            raise ValueError(f"{name}={group} needs {group} workers and the Ray cluster fits {fits}: use a smaller {name}, or a larger cluster")
+            raise ValueError(
+                f"{name}={group} needs {group} workers and the Ray cluster fits {fits}: use a smaller {name}, or a larger cluster"
+            )
     elif workers % group:
-        raise ValueError(f"num_workers={workers} is not a multiple of {name}={group}: the workers are groups of {group} that hold "
-                         f"one copy of the model; use num_workers={max(group, workers - workers % group)} or {workers - workers % group + group}")
+        raise ValueError(
+            f"num_workers={workers} is not a multiple of {name}={group}: the workers are groups of {group} that hold "
+            f"one copy of the model; use num_workers={max(group, workers - workers % group)} or {workers - workers % group + group}"
+        )
     micro = cfg.micro_batch_size or cfg.batch_size // workers
     if micro < 1 or cfg.batch_size % (workers * micro):
         raise ValueError(
@@ -121,13 +137,23 @@ def plan(cfg: TrainConfig, resources: cluster.Resources) -> Plan:
     if not use_gpu and cfg.precision == "fp16":
         raise ValueError("precision=fp16 needs a GPU and this run trains on CPUs: use fp32 (or auto), or device=gpu")
     if not use_gpu and cfg.activation_offload:
-        raise ValueError("activation_offload moves GPU activations to CPU memory and this run trains on CPUs: set it false, or device=gpu")
+        raise ValueError(
+            "activation_offload moves GPU activations to CPU memory and this run trains on CPUs: set it false, or device=gpu"
+        )
     precision = "fp32" if cfg.precision == "auto" and not use_gpu else cfg.precision
-    return Plan(workers=workers, cpus_per_worker=cpus_per_worker, micro_batch=micro,
-                accumulation=cfg.batch_size // (workers * micro), use_gpu=use_gpu, precision=precision)
+    return Plan(
+        workers=workers,
+        cpus_per_worker=cpus_per_worker,
+        micro_batch=micro,
+        accumulation=cfg.batch_size // (workers * micro),
+        use_gpu=use_gpu,
+        precision=precision,
+    )
 
 
-def resolved(cfg: TrainConfig, model: ModelConfig, labels: int, resources: cluster.Resources) -> tuple[TrainConfig, strategy.Choice | None]:
+def resolved(
+    cfg: TrainConfig, model: ModelConfig, labels: int, resources: cluster.Resources
+) -> tuple[TrainConfig, strategy.Choice | None]:
     """The config as it trains: with strategy=auto, the fastest candidate (tasks/strategy.py) whose
     estimated need per worker, as `plan` would run it here, is within the memory a worker has."""
     if cfg.strategy == "manual":
@@ -145,7 +171,11 @@ def resolved(cfg: TrainConfig, model: ModelConfig, labels: int, resources: clust
             continue
         if the_plan.cpus_per_worker * settings.get("tensor_parallel_size", 1) > resources.node_cpus:
             continue  # a group no node holds
-        budget = int(cfg.memory_per_worker_gb * strategy.GIB) if cfg.memory_per_worker_gb else gpu or int(per_cpu * the_plan.cpus_per_worker)
+        budget = (
+            int(cfg.memory_per_worker_gb * strategy.GIB)
+            if cfg.memory_per_worker_gb
+            else gpu or int(per_cpu * the_plan.cpus_per_worker)
+        )
         need = strategy.need_bytes(size, settings, the_plan.workers, the_plan.micro_batch, model.max_length, use_gpu)
         options.append((settings, need, budget))
     choice = strategy.pick(options)
@@ -156,7 +186,9 @@ def merge(base: dict, override: dict) -> dict:
     """Deep merge: the expert's raw DeepSpeed keys win, nested sections are merged key by key."""
     merged = dict(base)
     for key, value in override.items():
-        merged[key] = merge(merged[key], value) if isinstance(value, dict) and isinstance(merged.get(key), dict) else value
+        merged[key] = (
+            merge(merged[key], value) if isinstance(value, dict) and isinstance(merged.get(key), dict) else value
+        )
     return merged
 
 
@@ -169,9 +201,13 @@ def deepspeed_config(cfg: TrainConfig, plan: Plan, total_steps: int, hidden_size
         # every gathered layer of a smaller model until backward, undoing the partitioning: allow
         # about one transformer layer (~12 hidden^2 parameters) instead.
         layer = 12 * hidden_size**2
-        zero |= {"reduce_bucket_size": hidden_size**2, "stage3_prefetch_bucket_size": int(0.9 * hidden_size**2),
-                 "stage3_param_persistence_threshold": 10 * hidden_size,
-                 "stage3_max_live_parameters": layer, "stage3_max_reuse_distance": layer}
+        zero |= {
+            "reduce_bucket_size": hidden_size**2,
+            "stage3_prefetch_bucket_size": int(0.9 * hidden_size**2),
+            "stage3_param_persistence_threshold": 10 * hidden_size,
+            "stage3_max_live_parameters": layer,
+            "stage3_max_reuse_distance": layer,
+        }
     if cfg.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": plan.use_gpu}
     if cfg.offload_params:
@@ -245,8 +281,14 @@ def split(uri: str, workers: int) -> tuple[ray.data.Dataset, int]:
     count = pyarrow.dataset.dataset(path, filesystem=filesystem, format="parquet").count_rows()
     padding = -count % workers
     if padding:
-        rows = rows.union(ray.data.from_arrow(pa.table(
-            {"row": [-1] * padding, "label": [IGNORED] * padding, "input_ids": [[0]] * padding}, schema=SHARD_SCHEMA)))
+        rows = rows.union(
+            ray.data.from_arrow(
+                pa.table(
+                    {"row": [-1] * padding, "label": [IGNORED] * padding, "input_ids": [[0]] * padding},
+                    schema=SHARD_SCHEMA,
+                )
+            )
+        )
     return rows, count
 
 
@@ -267,15 +309,32 @@ def data_config() -> DataConfig:
 
 
 @task(tags=[TRAINING_TAG], **RETRY_TRANSIENT)
-def train(tokenized: dict[str, str], model: ModelConfig, label_names: list[str], cfg: TrainConfig, run_dir: str,
-          ray_address: str | None = None) -> Result:
+def train(
+    tokenized: dict[str, str],
+    model: ModelConfig,
+    label_names: list[str],
+    cfg: TrainConfig,
+    run_dir: str,
+    ray_address: str | None = None,
+) -> Result:
     """Fine-tune on the tokenized splits; the consolidated model lands in <run_dir>/model. Returns
     the per-epoch history, the loss and accuracy per step, and the validation predictions."""
     with Tracked("training-progress", "Training: % of its optimizer steps done") as progress:
-        return jobs.run(fit, ray_address, progress, tokenized=tokenized, model=model, label_names=label_names, cfg=cfg, run_dir=run_dir)
+        return jobs.run(
+            fit,
+            ray_address,
+            progress,
+            tokenized=tokenized,
+            model=model,
+            label_names=label_names,
+            cfg=cfg,
+            run_dir=run_dir,
+        )
 
 
-def planned(model: ModelConfig, label_names: list[str], cfg: TrainConfig) -> tuple[TrainConfig, strategy.Choice | None, Plan]:
+def planned(
+    model: ModelConfig, label_names: list[str], cfg: TrainConfig
+) -> tuple[TrainConfig, strategy.Choice | None, Plan]:
     """The config as it trains (strategy=auto resolved), why, and its plan on this cluster; or what to change."""
     check_parallelism(cfg, model)
     resources = cluster.Resources.of_cluster()
@@ -289,13 +348,17 @@ def check_plan(model: ModelConfig, label_names: list[str], cfg: TrainConfig) -> 
 
 
 @task
-def check_training_plan(model: ModelConfig, label_names: list[str], cfg: TrainConfig, ray_address: str | None = None) -> None:
+def check_training_plan(
+    model: ModelConfig, label_names: list[str], cfg: TrainConfig, ray_address: str | None = None
+) -> None:
     """Refuse a plan this cluster cannot run (workers, parallel sizes, device, precision) before the
     run tokenizes: at training's start it came after tokenization (27 s here)."""
     jobs.run(check_plan, ray_address, get_run_logger(), model=model, label_names=label_names, cfg=cfg)
 
 
-def fit(tokenized: dict[str, str], model: ModelConfig, label_names: list[str], cfg: TrainConfig, run_dir: str) -> Result:
+def fit(
+    tokenized: dict[str, str], model: ModelConfig, label_names: list[str], cfg: TrainConfig, run_dir: str
+) -> Result:
     """The stage's Ray work (tasks/jobs.py runs it where the cluster is): plan, then Ray Train."""
     logger = jobs.log
     cfg, choice, the_plan = planned(model, label_names, cfg)  # refuse what cannot run before any worker starts
@@ -303,32 +366,61 @@ def fit(tokenized: dict[str, str], model: ModelConfig, label_names: list[str], c
         logger.info("strategy=auto: %s", choice.reason)
     train_rows, train_count = split(tokenized["train"], the_plan.workers)
     validation_rows, _ = split(tokenized["validation"], the_plan.workers)
-    batches_per_epoch = math.ceil((train_count + -train_count % the_plan.workers) / the_plan.workers / the_plan.micro_batch)
+    batches_per_epoch = math.ceil(
+        (train_count + -train_count % the_plan.workers) / the_plan.workers / the_plan.micro_batch
+    )
     max_steps = min(cfg.max_steps or math.inf, cfg.epochs * (batches_per_epoch // the_plan.accumulation))
-    hidden_size = getattr(AutoConfig.from_pretrained(model.name_or_path, **hub_free(model.name_or_path)), "hidden_size", 768)
+    hidden_size = getattr(
+        AutoConfig.from_pretrained(model.name_or_path, **hub_free(model.name_or_path)), "hidden_size", 768
+    )
     model_uri = storage.join(run_dir, "model")
-    spec = WorkerSpec(train=cfg, plan=the_plan, deepspeed=deepspeed_config(cfg, the_plan, max_steps, hidden_size),
-                      model=model.name_or_path, label_names=label_names, max_length=model.max_length,
-                      batches_per_epoch=batches_per_epoch, max_steps=max_steps, model_uri=model_uri)
+    spec = WorkerSpec(
+        train=cfg,
+        plan=the_plan,
+        deepspeed=deepspeed_config(cfg, the_plan, max_steps, hidden_size),
+        model=model.name_or_path,
+        label_names=label_names,
+        max_length=model.max_length,
+        batches_per_epoch=batches_per_epoch,
+        max_steps=max_steps,
+        model_uri=model_uri,
+    )
     storage_path, filesystem = storage.pyarrow_filesystem(storage.join(run_dir, "train"))
     logger.info("training on %s, %d steps", the_plan.describe(cfg), max_steps)
-    if the_plan.precision == "bf16" and not the_plan.use_gpu and not cpu_has_native_bf16():  # this machine's CPU, as a hint
-        logger.warning("precision=bf16 on a CPU without native bf16 (avx512_bf16, amx): it trains, but ~2.4x slower than fp32")
+    if (
+        the_plan.precision == "bf16" and not the_plan.use_gpu and not cpu_has_native_bf16()
+    ):  # this machine's CPU, as a hint
+        logger.warning(
+            "precision=bf16 on a CPU without native bf16 (avx512_bf16, amx): it trains, but ~2.4x slower than fp32"
+        )
     fault = Fault.model_validate_json(os.environ[FAULT]).model_dump() if os.environ.get(FAULT) else None
     # The workers' ticks, lines and heartbeats, while training runs; a stall is reported under the run.
     with relayed(logger, Watchdog(logger, run_dir, cfg.stall_warning_s)) as channel:
         trainer = TorchTrainer(
             train_worker,
-            train_loop_config={"spec": spec.model_dump(), "channel": channel, "fault": fault, "check_devices": os.environ.get(CHECK_DEVICES) == "1"},
+            train_loop_config={
+                "spec": spec.model_dump(),
+                "channel": channel,
+                "fault": fault,
+                "check_devices": os.environ.get(CHECK_DEVICES) == "1",
+            },
             datasets={"train": train_rows.random_shuffle(seed=cfg.seed), "validation": validation_rows},
             dataset_config=data_config(),
             scaling_config=ScalingConfig(
-                num_workers=the_plan.workers, use_gpu=the_plan.use_gpu, resources_per_worker={"CPU": the_plan.cpus_per_worker},
-                label_selector=cluster.groups_on_nodes(the_plan.workers, cfg.tensor_parallel_size, the_plan.cpus_per_worker, the_plan.use_gpu),
+                num_workers=the_plan.workers,
+                use_gpu=the_plan.use_gpu,
+                resources_per_worker={"CPU": the_plan.cpus_per_worker},
+                label_selector=cluster.groups_on_nodes(
+                    the_plan.workers, cfg.tensor_parallel_size, the_plan.cpus_per_worker, the_plan.use_gpu
+                ),
             ),
-            torch_config=TorchConfig(backend="nccl" if the_plan.use_gpu else "gloo", timeout_s=int(cfg.collective_timeout_s)),
+            torch_config=TorchConfig(
+                backend="nccl" if the_plan.use_gpu else "gloo", timeout_s=int(cfg.collective_timeout_s)
+            ),
             run_config=RunConfig(
-                name="ray", storage_path=storage_path, storage_filesystem=filesystem,
+                name="ray",
+                storage_path=storage_path,
+                storage_filesystem=filesystem,
                 worker_runtime_env={"env_vars": ZERO3_WORKER_ENV if cfg.zero_stage == 3 else {}},
                 checkpoint_config=CheckpointConfig(num_to_keep=2),
                 # A controller failure is the worker group not starting: retried, it would wait forever.
@@ -349,18 +441,29 @@ def fit(tokenized: dict[str, str], model: ModelConfig, label_names: list[str], c
             if not isinstance(error.controller_failure, WorkerGroupStartupTimeoutError):
                 raise
             gpu = " and 1 GPU" if the_plan.use_gpu else ""
-            raise RuntimeError(f"the Ray cluster did not make room for {the_plan.workers} training worker(s) of {the_plan.cpus_per_worker:g} CPU"
-                               f"{gpu} each within wait_for_workers_s={cfg.wait_for_workers_s:g}: no node can hold one, or none was "
-                               "added in time; see `ray status`") from None
+            raise RuntimeError(
+                f"the Ray cluster did not make room for {the_plan.workers} training worker(s) of {the_plan.cpus_per_worker:g} CPU"
+                f"{gpu} each within wait_for_workers_s={cfg.wait_for_workers_s:g}: no node can hold one, or none was "
+                "added in time; see `ray status`"
+            ) from None
     result = Result.model_validate(storage.read_json(storage.join(model_uri, STATE_FILE)))
     tp = cfg.tensor_parallel_size
-    if spread := [rank for rank in range(0, len(result.nodes), tp) if len(set(result.nodes[rank:rank + tp])) > 1]:
-        logger.warning("the tensor-parallel group(s) of ranks %s spanned nodes: their all-reduces crossed the network (a "
-                       "cluster that grows places groups as Ray packs them: give its nodes room for whole groups)", spread)
+    if spread := [rank for rank in range(0, len(result.nodes), tp) if len(set(result.nodes[rank : rank + tp])) > 1]:
+        logger.warning(
+            "the tensor-parallel group(s) of ranks %s spanned nodes: their all-reduces crossed the network (a "
+            "cluster that grows places groups as Ray packs them: give its nodes room for whole groups)",
+            spread,
+        )
     for row in result.history:
         logger.info(
             "epoch %g step %d: train_loss %.4f val_loss %.4f val_accuracy %.4f (%.1f samples/s, peak %.0f MiB per worker)%s",
-            row.epoch, row.step, row.train_loss, row.val_loss, row.val_accuracy, row.samples_per_s, row.peak_memory_mb,
+            row.epoch,
+            row.step,
+            row.train_loss,
+            row.val_loss,
+            row.val_accuracy,
+            row.samples_per_s,
+            row.peak_memory_mb,
             f", resumed from step {row.resumed_from_step}" if row.resumed_from_step else "",
         )
     return result.model_copy(update={"cluster": cluster.describe(), "strategy": choice})

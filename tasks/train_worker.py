@@ -66,8 +66,11 @@ class Plan(BaseModel, frozen=True):
 
     def describe(self, cfg: TrainConfig) -> str:
         device = "GPU" if self.use_gpu else "CPU"
-        return (f"{self.workers} {device} worker(s) of {self.cpus_per_worker:g} CPU x micro-batch {self.micro_batch} x accumulation {self.accumulation}"
-                f" = global batch {cfg.batch_size}, ZeRO-{cfg.zero_stage}, {self.precision}")
+        return (
+            f"{self.workers} {device} worker(s) of {self.cpus_per_worker:g} CPU"
+            f" x micro-batch {self.micro_batch} x accumulation {self.accumulation}"
+            f" = global batch {cfg.batch_size}, ZeRO-{cfg.zero_stage}, {self.precision}"
+        )
 
 
 class WorkerSpec(BaseModel):
@@ -138,8 +141,12 @@ class Result(BaseModel):
     curve: Curve
     validation_predictions: list[int]  # by validation row, as the engine predicted them
     nodes: list[str]  # the Ray node of each worker, by rank, in the last attempt
-    layer_parameter_mb: float | None = None  # the encoder layers' parameters rank 0 holds: what tensor parallelism and ZeRO-3 split
-    first_step_at: float | None = None  # Unix time the last attempt's first micro-batch was done (None: it trained none)
+    layer_parameter_mb: float | None = (
+        None  # the encoder layers' parameters rank 0 holds: what tensor parallelism and ZeRO-3 split
+    )
+    first_step_at: float | None = (
+        None  # Unix time the last attempt's first micro-batch was done (None: it trained none)
+    )
     cluster: dict = {}  # the cluster that trained (tasks/cluster.py describe), added by the driver
     strategy: Choice | None = None  # what strategy=auto chose and why, added by the driver
 
@@ -149,8 +156,12 @@ def collate(batch: dict[str, np.ndarray], pad_id: int, pin: bool) -> dict[str, t
     in page-locked memory for a GPU, so that their copy to it runs beside the compute."""
     rows = list(batch["input_ids"])
     input_ids, attention_mask = padded(rows, np.fromiter(map(len, rows), np.int64, len(rows)), pad_id)
-    host = {"input_ids": torch.from_numpy(input_ids), "attention_mask": torch.from_numpy(attention_mask),
-            "labels": torch.tensor(batch["label"], device="cpu"), "row": torch.tensor(batch["row"], device="cpu")}  # copies: Ray's arrays are read-only
+    host = {
+        "input_ids": torch.from_numpy(input_ids),
+        "attention_mask": torch.from_numpy(attention_mask),
+        "labels": torch.tensor(batch["label"], device="cpu"),
+        "row": torch.tensor(batch["row"], device="cpu"),
+    }  # copies: Ray's arrays are read-only
     return {key: tensor.pin_memory() for key, tensor in host.items()} if pin else host
 
 
@@ -164,20 +175,33 @@ def by_length(group: list[dict[str, np.ndarray]], pad_id: int, pin: bool) -> lis
     rows = {key: np.concatenate([batch[key] for batch in group]) for key in group[0]}
     order = np.argsort(np.fromiter(map(len, rows["input_ids"]), np.int64, len(rows["input_ids"])), kind="stable")
     ends = np.cumsum([len(batch["row"]) for batch in group])
-    return [collate({key: column[part] for key, column in rows.items()}, pad_id, pin) for part in np.split(order, ends[:-1])]
+    return [
+        collate({key: column[part] for key, column in rows.items()}, pad_id, pin) for part in np.split(order, ends[:-1])
+    ]
 
 
-def batches(split: str, micro_batch: int, cfg: TrainConfig, pad_id: int, epoch: int | None = None, *, pin: bool = False):
+def batches(
+    split: str, micro_batch: int, cfg: TrainConfig, pad_id: int, epoch: int | None = None, *, pin: bool = False
+):
     """This worker's micro-batches of a split for one pass, `length_group_batches` at a time grouped by
     length. For an epoch of training, rows come from a seeded shuffle buffer and each group's batches
     go in an order drawn from (seed, epoch) alone: the same on every worker, so the workers' batches
     at one step are of like width (a step waits for its slowest worker)."""
     rank = ray.train.get_context().get_world_rank()
-    shuffle = {} if epoch is None else {"local_shuffle_buffer_size": cfg.shuffle_buffer_rows,
-                                        "local_shuffle_seed": hash((cfg.seed, epoch, rank)) % 2**32}
+    shuffle = (
+        {}
+        if epoch is None
+        else {
+            "local_shuffle_buffer_size": cfg.shuffle_buffer_rows,
+            "local_shuffle_seed": hash((cfg.seed, epoch, rank)) % 2**32,
+        }
+    )
     order = None if epoch is None else np.random.default_rng([cfg.seed, epoch])
-    drawn = iter(ray.train.get_dataset_shard(split).iter_batches(
-        batch_size=micro_batch, batch_format="numpy", prefetch_batches=cfg.prefetch_batches, **shuffle))
+    drawn = iter(
+        ray.train.get_dataset_shard(split).iter_batches(
+            batch_size=micro_batch, batch_format="numpy", prefetch_batches=cfg.prefetch_batches, **shuffle
+        )
+    )
     # Grouped here rather than by asking Ray for batches of the group's size: its shuffle buffer then
     # yielded a short batch mid-stream (22 micro-batches on one worker, 21 on the others).
     for group in iter(lambda: list(islice(drawn, cfg.length_group_batches)), []):
@@ -213,7 +237,10 @@ class Replica:
         if names is not None:  # pipeline stages (tasks/pipeline.py)
             self.group, self.leads = engine.grid.get_pipe_parallel_group(), engine.is_last_stage()
         elif engine.autotp_size() > 1:
-            self.group, self.leads = groups.get_tensor_model_parallel_group(), groups.get_tensor_model_parallel_rank() == 0
+            self.group, self.leads = (
+                groups.get_tensor_model_parallel_group(),
+                groups.get_tensor_model_parallel_rank() == 0,
+            )
         else:
             self.group, self.leads = None, True
 
@@ -224,10 +251,21 @@ class Replica:
         dist.all_gather_object(parts, batch, group=self.group)
         width = max(part["input_ids"].shape[1] for part in parts)
         padding = {"input_ids": pad_id, "attention_mask": 0}
-        return {key: torch.cat([torch.nn.functional.pad(part[key], (0, width - part[key].shape[1]), value=padding[key])
-                                if key in padding else part[key] for part in parts]) for key in batch}
+        return {
+            key: torch.cat(
+                [
+                    torch.nn.functional.pad(part[key], (0, width - part[key].shape[1]), value=padding[key])
+                    if key in padding
+                    else part[key]
+                    for part in parts
+                ]
+            )
+            for key in batch
+        }
 
-    def train(self, batch: dict, device: torch.device, offload: bool, alone) -> Iterator[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]]:
+    def train(
+        self, batch: dict, device: torch.device, offload: bool, alone
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]]:
         """Train on a micro-batch; yield (loss, logits or None on ranks without them, labels) of each
         micro-batch computed. A pipeline trains a whole step at once, once its micro-batches are in."""
         if self.names is None:
@@ -253,7 +291,9 @@ class Replica:
         """Eval-mode logits of a micro-batch, on the ranks that hold them."""
         if self.names is None:
             return logits_of(self.engine, batch, device)
-        _, logits = self.engine.eval_batch(iter([self.pipe_inputs(batch, device)]), return_logits=True, num_micro_batches=1)
+        _, logits = self.engine.eval_batch(
+            iter([self.pipe_inputs(batch, device)]), return_logits=True, num_micro_batches=1
+        )
         if self.head:
             self.head.logits.clear()
         return logits if self.leads else None
@@ -265,7 +305,9 @@ class Replica:
     def layers(self) -> list[torch.nn.Module]:
         """The encoder layers this worker holds (BERT-family models; none found for others)."""
         if self.names is not None:
-            return [layer.layer for layer in self.engine.module.forward_funcs if isinstance(layer, pipeline.EncoderLayer)]
+            return [
+                layer.layer for layer in self.engine.module.forward_funcs if isinstance(layer, pipeline.EncoderLayer)
+            ]
         return list(getattr(getattr(self.engine.module.base_model, "encoder", None), "layer", None) or [])
 
     def exported(self) -> tuple[torch.nn.Module | None, dict | None]:
@@ -288,7 +330,9 @@ class Meter:
     def add(self, loss: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor) -> None:
         real = labels != IGNORED
         rows = real.sum().double()
-        self.sums += torch.stack([loss.detach().double() * rows, (logits.detach().argmax(-1) == labels)[real].sum().double(), rows])
+        self.sums += torch.stack(
+            [loss.detach().double() * rows, (logits.detach().argmax(-1) == labels)[real].sum().double(), rows]
+        )
 
     def point(self, step: int, epoch: float) -> Point:
         dist.all_reduce(self.sums)
@@ -300,7 +344,9 @@ class Meter:
 
 
 @torch.no_grad()
-def validate(engine, replica: Replica, spec: WorkerSpec, pad_id: int, device: torch.device) -> tuple[float, float, list[int]]:
+def validate(
+    engine, replica: Replica, spec: WorkerSpec, pad_id: int, device: torch.device
+) -> tuple[float, float, list[int]]:
     """Exact loss, accuracy and row-ordered predictions over the whole validation split, gathered
     from all workers (each replica's from the rank that holds its logits); the padding rows are
     dropped by their row number (-1)."""
@@ -313,7 +359,13 @@ def validate(engine, replica: Replica, spec: WorkerSpec, pad_id: int, device: to
             continue
         real, labels, logits = batch["row"] >= 0, batch["labels"], logits.float().cpu()
         losses = torch.nn.functional.cross_entropy(logits, labels, ignore_index=IGNORED, reduction="none")
-        local += zip(batch["row"][real].tolist(), losses[real].tolist(), logits.argmax(-1)[real].tolist(), labels[real].tolist())
+        local += zip(
+            batch["row"][real].tolist(),
+            losses[real].tolist(),
+            logits.argmax(-1)[real].tolist(),
+            labels[real].tolist(),
+            strict=True,
+        )
     engine.train()  # training may go on mid-epoch
     gathered: list[list] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, local)
@@ -326,7 +378,10 @@ def layer_parameter_mb(layers: list[torch.nn.Module]) -> float | None:
     shards, its pipeline stage's layers); None where it found none."""
     if not layers:
         return None
-    return sum(getattr(p, "ds_tensor", p).numel() * p.element_size() for layer in layers for p in layer.parameters()) / 2**20
+    return (
+        sum(getattr(p, "ds_tensor", p).numel() * p.element_size() for layer in layers for p in layer.parameters())
+        / 2**20
+    )
 
 
 def peak_memory_mb(device: torch.device) -> float:
@@ -358,8 +413,12 @@ def resume(engine, channel: str | None) -> Progress:
         _, client_state = engine.load_checkpoint(folder, tag="state")
     progress = Progress.model_validate(client_state["progress"])
     if dist.get_rank() == 0 and channel is not None:
-        say(channel, logging.INFO, f"rank 0: resumed from the checkpoint at step {engine.global_steps}: epoch {progress.epoch + 1}, "
-                                   f"micro-batch {progress.batches_done}")
+        say(
+            channel,
+            logging.INFO,
+            f"rank 0: resumed from the checkpoint at step {engine.global_steps}: epoch {progress.epoch + 1}, "
+            f"micro-batch {progress.batches_done}",
+        )
     return progress
 
 
@@ -371,7 +430,10 @@ def export(replica: Replica, tokenizer, spec: WorkerSpec, result: Result) -> Non
     evaluation and inference choose their own precision at load."""
     model, weights = replica.exported()
     if dist.get_rank() == 0:
-        weights = {name: tensor.float() if tensor.is_floating_point() else tensor for name, tensor in (weights or model.state_dict()).items()}
+        weights = {
+            name: tensor.float() if tensor.is_floating_point() else tensor
+            for name, tensor in (weights or model.state_dict()).items()
+        }
         config = copy.deepcopy(model.config)
         config.dtype = torch.float32  # transformers takes the saved dtype from the module's parameters
         with tempfile.TemporaryDirectory() as folder:
@@ -393,8 +455,12 @@ def build_model(spec: WorkerSpec):
     zero_init = HfDeepSpeedConfig(spec.deepspeed) if partitioned else None  # noqa: F841 (kept alive)
     names = spec.label_names
     model = AutoModelForSequenceClassification.from_pretrained(
-        spec.model, num_labels=len(names), id2label=dict(enumerate(names)), label2id={name: i for i, name in enumerate(names)},
-        **hub_free(spec.model))
+        spec.model,
+        num_labels=len(names),
+        id2label=dict(enumerate(names)),
+        label2id={name: i for i, name in enumerate(names)},
+        **hub_free(spec.model),
+    )
     last_layer_at_first_token(model)
     if spec.train.activation_checkpointing and spec.train.pipeline_parallel_size == 1:  # stages checkpoint their own
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -404,7 +470,10 @@ def build_model(spec: WorkerSpec):
 def param_groups(model) -> list[dict]:
     """Weight decay for weight matrices only, as BERT-style recipes do."""
     named = list(model.named_parameters())
-    return [{"params": [p for _, p in named if p.ndim > 1]}, {"params": [p for _, p in named if p.ndim <= 1], "weight_decay": 0.0}]
+    return [
+        {"params": [p for _, p in named if p.ndim > 1]},
+        {"params": [p for _, p in named if p.ndim <= 1], "weight_decay": 0.0},
+    ]
 
 
 def join_process_group(device: torch.device, timeout_s: float) -> None:
@@ -419,7 +488,9 @@ def join_process_group(device: torch.device, timeout_s: float) -> None:
         # Not on CUDA: there the op does not exist, and reading the dict runs DeepSpeed's op probe,
         # which calls nvcc several times.
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=timeout_s))
+    deepspeed.init_distributed(
+        dist_backend="nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=timeout_s)
+    )
 
 
 def precision_of(engine) -> str:
@@ -430,8 +501,15 @@ def resolve_precision(spec: WorkerSpec, device: torch.device) -> WorkerSpec:
     """precision=auto on a GPU (the driver cannot see it): bf16 where the hardware has it, else fp16."""
     if spec.plan.precision == "auto":
         precision = "bf16" if torch.cuda.is_bf16_supported() else "fp16"
-        spec = spec.model_copy(update={"deepspeed": spec.deepspeed | {"bf16": spec.deepspeed["bf16"] | {"enabled": precision == "bf16"},
-                                                                      "fp16": spec.deepspeed["fp16"] | {"enabled": precision == "fp16"}}})
+        spec = spec.model_copy(
+            update={
+                "deepspeed": spec.deepspeed
+                | {
+                    "bf16": spec.deepspeed["bf16"] | {"enabled": precision == "bf16"},
+                    "fp16": spec.deepspeed["fp16"] | {"enabled": precision == "fp16"},
+                }
+            }
+        )
     if spec.deepspeed["bf16"]["enabled"] and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise ValueError(f"precision=bf16 but {torch.cuda.get_device_name()} has no bf16: use fp16 or auto")
     return spec
@@ -472,17 +550,26 @@ def injected(fault: Fault | None, channel: str | None, step: int) -> None:
     """The tests' fault, if this is its worker and step and it has not fired yet in this run."""
     if fault is None or fault.step != step or dist.get_rank() != fault.rank:
         return
-    if not internal_kv._internal_kv_put(f"{channel}fault", b"fired", overwrite=False, namespace=NAMESPACE):  # False: new key
+    if not internal_kv._internal_kv_put(
+        f"{channel}fault", b"fired", overwrite=False, namespace=NAMESPACE
+    ):  # False: new key
         if fault.hang_s:
             time.sleep(fault.hang_s)
             return
-        raise RuntimeError(f"injected fault at step {step}, at {time.time():.3f}")  # when, for the test to time its line
+        raise RuntimeError(
+            f"injected fault at step {step}, at {time.time():.3f}"
+        )  # when, for the test to time its line
 
 
 def tick(point: Point, max_steps: int, samples_per_s: float) -> Tick:
-    return Tick(stage="train", done=point.step, total=max_steps, unit="steps",
-                metrics={"loss": point.loss, "accuracy": point.accuracy, "samples_per_s": samples_per_s},
-                text=f"epoch {point.epoch:.2f}, loss {point.loss:.4f}, accuracy {point.accuracy:.3f}, {samples_per_s:.1f} samples/s")
+    return Tick(
+        stage="train",
+        done=point.step,
+        total=max_steps,
+        unit="steps",
+        metrics={"loss": point.loss, "accuracy": point.accuracy, "samples_per_s": samples_per_s},
+        text=f"epoch {point.epoch:.2f}, loss {point.loss:.4f}, accuracy {point.accuracy:.3f}, {samples_per_s:.1f} samples/s",
+    )
 
 
 def train_worker(config: dict) -> None:
@@ -509,7 +596,12 @@ def run(spec: WorkerSpec, channel: str | None, pulse: Pulse, fault: Fault | None
     if dist.get_rank() == 0 and channel is not None:
         say(channel, logging.INFO, engine_line(engine, device, time.perf_counter() - started))
     pulse("resuming")
-    progress, pad_id, meter, pin = resume(engine, channel), tokenizer.pad_token_id or 0, Meter(device), device.type == "cuda"
+    progress, pad_id, meter, pin = (
+        resume(engine, channel),
+        tokenizer.pad_token_id or 0,
+        Meter(device),
+        device.type == "cuda",
+    )
     first_epoch, resumed_from, predictions, first_step_at = progress.epoch, engine.global_steps, None, None
     nodes: list[str] = [None] * dist.get_world_size()
     dist.all_gather_object(nodes, ray.get_runtime_context().get_node_id())
@@ -523,7 +615,9 @@ def run(spec: WorkerSpec, channel: str | None, pulse: Pulse, fault: Fault | None
         nonlocal predictions
         pulse("validating", engine.global_steps)
         loss, accuracy, predictions = validate(engine, replica, spec, pad_id, device)
-        progress.curve.validation.append(Point(step=engine.global_steps, epoch=round(position, 4), loss=loss, accuracy=accuracy))
+        progress.curve.validation.append(
+            Point(step=engine.global_steps, epoch=round(position, 4), loss=loss, accuracy=accuracy)
+        )
 
     for epoch in range(progress.epoch, cfg.epochs):
         if engine.global_steps >= spec.max_steps:
@@ -536,7 +630,9 @@ def run(spec: WorkerSpec, channel: str | None, pulse: Pulse, fault: Fault | None
         for batch in islice(batches("train", spec.plan.micro_batch, cfg, pad_id, epoch, pin=pin), done, None):
             rows = int((batch["labels"] != IGNORED).sum())  # this worker's, before its replica joins them
             steps_before = engine.global_steps
-            for loss, logits, labels in replica.train(replica.join(batch, pad_id), device, cfg.activation_offload, alone):
+            for loss, logits, labels in replica.train(
+                replica.join(batch, pad_id), device, cfg.activation_offload, alone
+            ):
                 if replica.leads:
                     meter.add(loss, logits, labels)
                 loss_sum += loss.detach().float()
@@ -559,8 +655,11 @@ def run(spec: WorkerSpec, channel: str | None, pulse: Pulse, fault: Fault | None
                 evaluate(position)  # the epoch's end is evaluated below
             if cfg.checkpoint_every_steps and step % cfg.checkpoint_every_steps == 0 and not last:
                 pulse("checkpointing", step)
-                save(engine, progress.model_copy(update={"epoch": epoch, "batches_done": done}, deep=True),
-                     {"epoch": position, "step": step})
+                save(
+                    engine,
+                    progress.model_copy(update={"epoch": epoch, "batches_done": done}, deep=True),
+                    {"epoch": position, "step": step},
+                )
                 checkpoint_seconds.append(time.perf_counter() - pause_from)
             paused += time.perf_counter() - pause_from
             if step >= spec.max_steps:
@@ -570,18 +669,38 @@ def run(spec: WorkerSpec, channel: str | None, pulse: Pulse, fault: Fault | None
         dist.all_reduce(totals)
         whole = done == spec.batches_per_epoch  # else max_steps ended the run mid-epoch
         evaluate(epoch + done / spec.batches_per_epoch)
-        progress.history.append(EpochRecord(
-            epoch=round(epoch + done / spec.batches_per_epoch, 4), step=engine.global_steps, resumed_from_step=resumed_from,
-            train_loss=totals[0].item() / max(totals[1].item(), 1), val_loss=progress.curve.validation[-1].loss,
-            val_accuracy=progress.curve.validation[-1].accuracy,
-            samples_per_s=totals[2].item() / elapsed if elapsed > 0 else 0.0, peak_memory_mb=peak_memory_mb(device),
-            startup_s=first_done - started if epoch == first_epoch else None,
-            checkpoint_s=sum(checkpoint_seconds) / len(checkpoint_seconds) if checkpoint_seconds else None))
-        progress = progress.model_copy(update={"epoch": epoch + 1 if whole else epoch, "batches_done": 0 if whole else done})
+        progress.history.append(
+            EpochRecord(
+                epoch=round(epoch + done / spec.batches_per_epoch, 4),
+                step=engine.global_steps,
+                resumed_from_step=resumed_from,
+                train_loss=totals[0].item() / max(totals[1].item(), 1),
+                val_loss=progress.curve.validation[-1].loss,
+                val_accuracy=progress.curve.validation[-1].accuracy,
+                samples_per_s=totals[2].item() / elapsed if elapsed > 0 else 0.0,
+                peak_memory_mb=peak_memory_mb(device),
+                startup_s=first_done - started if epoch == first_epoch else None,
+                checkpoint_s=sum(checkpoint_seconds) / len(checkpoint_seconds) if checkpoint_seconds else None,
+            )
+        )
+        progress = progress.model_copy(
+            update={"epoch": epoch + 1 if whole else epoch, "batches_done": 0 if whole else done}
+        )
         pulse("checkpointing", engine.global_steps)
         save(engine, progress, progress.history[-1].model_dump())
     if predictions is None:  # a re-run of a finished run trains nothing; its export still needs them
         predictions = validate(engine, replica, spec, pad_id, device)[2]
     pulse("exporting the model", engine.global_steps)
-    export(replica, tokenizer, spec, Result(history=progress.history, curve=progress.curve, validation_predictions=predictions, nodes=nodes,
-                                            layer_parameter_mb=layer_parameter_mb(replica.layers()), first_step_at=first_step_at))
+    export(
+        replica,
+        tokenizer,
+        spec,
+        Result(
+            history=progress.history,
+            curve=progress.curve,
+            validation_predictions=predictions,
+            nodes=nodes,
+            layer_parameter_mb=layer_parameter_mb(replica.layers()),
+            first_step_at=first_step_at,
+        ),
+    )

@@ -80,9 +80,16 @@ class FailureRelay(UserCallback):
         rank, error = min(worker_exceptions.items())
         last = last_beat(self.channel, rank)
         where = f" at step {last.step} ({last.phase})" if last else ""
-        then = (f"retrying from step {self.checkpoint_step}, attempt {self.failures + 1} of {self.attempts}"
-                if self.failures < self.attempts else f"no attempt left of {self.attempts}: training fails")
-        say(self.channel, logging.WARNING, f"training worker {rank} failed{where}: {type(own(error)).__name__}: {first_line(own(error))}; {then}")
+        then = (
+            f"retrying from step {self.checkpoint_step}, attempt {self.failures + 1} of {self.attempts}"
+            if self.failures < self.attempts
+            else f"no attempt left of {self.attempts}: training fails"
+        )
+        say(
+            self.channel,
+            logging.WARNING,
+            f"training worker {rank} failed{where}: {type(own(error)).__name__}: {first_line(own(error))}; {then}",
+        )
 
 
 class Watchdog:
@@ -124,10 +131,21 @@ class Watchdog:
 
     def warn(self, stalest: Beat | None, silent_s: float) -> None:
         folder = storage.join(self.run_dir, "stall", time.strftime("%Y%m%d-%H%M%S"))
-        workers = [stall.Process(what=f"rank {rank}", node_id=heard.node_id, pid=heard.pid) for rank, (heard, _) in sorted(self.heard.items())]
+        workers = [
+            stall.Process(what=f"rank {rank}", node_id=heard.node_id, pid=heard.pid)
+            for rank, (heard, _) in sorted(self.heard.items())
+        ]
         stuck = next((worker for worker in workers if stalest and worker.pid == stalest.pid), None)
         frame = stall.report(folder, workers, stuck)
-        where = (f"rank {stalest.rank} is in '{stalest.phase}' at step {stalest.step}" if stalest
-                 else "no training worker has started")
-        self.log.warning("training has shown no progress for %.0f s: %s%s; stall report: %s (the run goes on; train.timeout_s ends it)",
-                         silent_s, where, f", top frame {frame}" if frame else "", folder)
+        where = (
+            f"rank {stalest.rank} is in '{stalest.phase}' at step {stalest.step}"
+            if stalest
+            else "no training worker has started"
+        )
+        self.log.warning(
+            "training has shown no progress for %.0f s: %s%s; stall report: %s (the run goes on; train.timeout_s ends it)",
+            silent_s,
+            where,
+            f", top frame {frame}" if frame else "",
+            folder,
+        )

@@ -44,12 +44,17 @@ def s3_endpoint():
     port = free_port()
     server = subprocess.Popen(
         [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     endpoint = f"http://127.0.0.1:{port}"
     wait_for_port(port)
-    os.environ.update(AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID=S3_KEY, AWS_SECRET_ACCESS_KEY=S3_SECRET,
-                      AWS_DEFAULT_REGION="us-east-1")
+    os.environ.update(
+        AWS_ENDPOINT_URL=endpoint,
+        AWS_ACCESS_KEY_ID=S3_KEY,
+        AWS_SECRET_ACCESS_KEY=S3_SECRET,
+        AWS_DEFAULT_REGION="us-east-1",
+    )
     import boto3
 
     boto3.client("s3").create_bucket(Bucket=BUCKET)
@@ -63,7 +68,7 @@ def s3_data(small_data, s3_endpoint) -> dict[str, str]:
     """small_data in the S3 bucket: what every node of a cluster can read."""
     import boto3
 
-    for split, path in small_data.items():
+    for path in small_data.values():
         boto3.client("s3").upload_file(str(path), BUCKET, f"small-data/{path.name}")
     return {split: f"s3://{BUCKET}/small-data/{path.name}" for split, path in small_data.items()}
 
@@ -110,8 +115,16 @@ def faulty_s3(s3_endpoint, ray_stopped):
     from tasks import cluster
 
     port = free_port()
-    proxy = subprocess.Popen([sys.executable, str(Path(__file__).with_name("faulty_s3.py")), str(port),
-                              s3_endpoint.removeprefix("http://"), "0.1", "7"])
+    proxy = subprocess.Popen(
+        [
+            sys.executable,
+            str(Path(__file__).with_name("faulty_s3.py")),
+            str(port),
+            s3_endpoint.removeprefix("http://"),
+            "0.1",
+            "7",
+        ]
+    )
     wait_for_port(port)
     os.environ["AWS_ENDPOINT_URL"] = f"http://127.0.0.1:{port}"
     cluster.connect()

@@ -18,11 +18,15 @@ import sys
 import threading
 from collections import Counter
 
-ERROR_BODY = ('<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code><Message>{message}</Message>'
-              '<RequestId>faulty-s3</RequestId></Error>')
-FAULTS = [(500, "InternalError", "We encountered an internal error. Please try again."),
-          (503, "SlowDown", "Please reduce your request rate."),
-          (None, "dropped", "")]
+ERROR_BODY = (
+    '<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code><Message>{message}</Message>'
+    "<RequestId>faulty-s3</RequestId></Error>"
+)
+FAULTS = [
+    (500, "InternalError", "We encountered an internal error. Please try again."),
+    (503, "SlowDown", "Please reduce your request rate."),
+    (None, "dropped", ""),
+]
 
 
 class Proxy(http.server.BaseHTTPRequestHandler):
@@ -66,13 +70,17 @@ class Proxy(http.server.BaseHTTPRequestHandler):
             self.connection.shutdown(socket.SHUT_RDWR)
             return
         if fault:
-            self.answer(fault[0], {"Content-Type": "application/xml"},
-                        ERROR_BODY.format(code=fault[1], message=fault[2]).encode())
+            self.answer(
+                fault[0],
+                {"Content-Type": "application/xml"},
+                ERROR_BODY.format(code=fault[1], message=fault[2]).encode(),
+            )
             return
         headers = {k: v for k, v in self.headers.items() if k.lower() not in ("transfer-encoding", "content-length")}
         upstream = http.client.HTTPConnection(self.upstream, timeout=120)
-        upstream.request(self.command, self.path, body=body if body or self.command in ("PUT", "POST") else None,
-                         headers=headers)
+        upstream.request(
+            self.command, self.path, body=body if body or self.command in ("PUT", "POST") else None, headers=headers
+        )
         response = upstream.getresponse()
         payload = response.read()
         answered = {k: v for k, v in response.getheaders() if k.lower() not in ("transfer-encoding", "connection")}

@@ -13,10 +13,10 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from conftest import write_jsonl
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, LogFilter, LogFilterFlowRunId
 
-from conftest import write_jsonl
 from flows.batch_infer import batch_infer
 from tasks import cluster, infer, storage
 from tasks.data import DataError, Piece, iter_frames
@@ -29,7 +29,9 @@ def corpus(tmp_path):
     write_jsonl(folder / "a.jsonl", [{"text": f"review {i} was good"} for i in range(300)])
     (folder / "sub").mkdir()
     pd.DataFrame({"text": [f"film {i} bored me" for i in range(200)]}).to_csv(folder / "sub" / "b.csv", index=False)
-    pd.DataFrame({"text": [f"plot {i}" for i in range(100)], "doc": [f"d{i}" for i in range(100)]}).to_parquet(folder / "c.parquet")
+    pd.DataFrame({"text": [f"plot {i}" for i in range(100)], "doc": [f"d{i}" for i in range(100)]}).to_parquet(
+        folder / "c.parquet"
+    )
     return folder
 
 
@@ -42,7 +44,9 @@ def prefect_records(flow_run_id) -> tuple[list[str], dict[str, object]]:
             if any("rows/s)" in log.message for log in logs):
                 break
             time.sleep(0.5)
-        artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
+        artifacts = client.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]))
+        )
     return [log.message for log in logs], {a.key: a.data for a in artifacts}
 
 
@@ -72,8 +76,10 @@ def test_every_row_of_every_file_gets_one_prediction(ray_cluster, tiny_model, co
     assert set(table["label"]) <= {"LABEL_0", "LABEL_1"}
     marker = json.loads((tmp_path / "predictions" / MARKER).read_text())
     assert marker["rows"] == 600 and marker["model"]["fingerprint"] == storage.fingerprint(str(tiny_model))
-    assert marker["inputs"] == {str(p): storage.fingerprint(str(p)) for p in (corpus / "a.jsonl", corpus / "c.parquet",
-                                                                              corpus / "sub" / "b.csv")}
+    assert marker["inputs"] == {
+        str(p): storage.fingerprint(str(p))
+        for p in (corpus / "a.jsonl", corpus / "c.parquet", corpus / "sub" / "b.csv")
+    }
 
 
 def test_an_id_column_names_the_rows(ray_cluster, tiny_model, corpus, tmp_path):
@@ -88,8 +94,15 @@ def test_missing_input_or_model_is_refused_before_ray(tiny_model, tmp_path):
         batch_infer(str(tiny_model), str(tmp_path / "nowhere" / "*.jsonl"), str(tmp_path / "out"))
     with pytest.raises(ValueError, match=f"^model_uri {tmp_path}/no-model: no such folder$"):
         batch_infer(str(tmp_path / "no-model"), str(tmp_path / "nowhere" / "*.jsonl"), str(tmp_path / "out"))
-    with pytest.raises(ValueError, match="^model_uri models/nobody@champion: the registry entry 'nobody' under .* has no champion yet"):
-        batch_infer("models/nobody@champion", str(tmp_path / "nowhere" / "*.jsonl"), str(tmp_path / "out"), storage_root=str(tmp_path))
+    with pytest.raises(
+        ValueError, match="^model_uri models/nobody@champion: the registry entry 'nobody' under .* has no champion yet"
+    ):
+        batch_infer(
+            "models/nobody@champion",
+            str(tmp_path / "nowhere" / "*.jsonl"),
+            str(tmp_path / "out"),
+            storage_root=str(tmp_path),
+        )
 
 
 def test_a_list_of_inputs_shared_by_two_actors_in_small_windows(ray_cluster, tiny_model, corpus, tmp_path):
@@ -98,7 +111,9 @@ def test_a_list_of_inputs_shared_by_two_actors_in_small_windows(ray_cluster, tin
     assert out["rows"] == 500 and out["files"] == 2  # a.jsonl named twice is read once
     assert out["parts"] > 2, "a.jsonl cut into pieces, so that both actors have work"
     table = pq.read_table(tmp_path / "predictions").to_pandas().set_index("id")
-    expected = {f"a.jsonl:{i}": f"review {i} was good" for i in range(300)} | {f"sub/b.csv:{i}": f"film {i} bored me" for i in range(200)}
+    expected = {f"a.jsonl:{i}": f"review {i} was good" for i in range(300)} | {
+        f"sub/b.csv:{i}": f"film {i} bored me" for i in range(200)
+    }
     assert table.index.is_unique and table["text"].to_dict() == expected
 
 
@@ -116,7 +131,9 @@ def test_a_million_rows_over_many_files_get_one_prediction_each(ray_cluster, tin
     files, per_file = 100, 10_000
     for f in range(files):
         ids = range(f * per_file, (f + 1) * per_file)
-        write_jsonl(tmp_path / "corpus" / f"part-{f:03d}.jsonl", [{"doc": f"d{i}", "text": f"film {i} was fun"} for i in ids])
+        write_jsonl(
+            tmp_path / "corpus" / f"part-{f:03d}.jsonl", [{"doc": f"d{i}", "text": f"film {i} was fun"} for i in ids]
+        )
     inputs = [str(path) for path in sorted((tmp_path / "corpus").iterdir())]
     out = batch_infer(str(tiny_model), inputs, str(tmp_path / "predictions"), id_column="doc")
     assert out["rows"] == files * per_file
@@ -155,14 +172,22 @@ def test_a_job_killed_mid_way_and_run_again_labels_every_row_once(ray_stopped, t
     files, per_file = 40, 5_000
     for f in range(files):
         ids = range(f * per_file, (f + 1) * per_file)
-        write_jsonl(tmp_path / "corpus" / f"part-{f:02d}.jsonl", [{"doc": f"d{i}", "text": f"film {i} was fun"} for i in ids])
+        write_jsonl(
+            tmp_path / "corpus" / f"part-{f:02d}.jsonl", [{"doc": f"d{i}", "text": f"film {i} was fun"} for i in ids]
+        )
     output = tmp_path / "predictions"
     job = (str(tiny_model), str(tmp_path / "corpus"), str(output))
-    driver = subprocess.Popen([sys.executable, "-c", f"from flows.batch_infer import batch_infer; batch_infer(*{job!r}, id_column='doc')"],
-                              cwd=Path(__file__).parents[1], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    driver = subprocess.Popen(
+        [sys.executable, "-c", f"from flows.batch_infer import batch_infer; batch_infer(*{job!r}, id_column='doc')"],
+        cwd=Path(__file__).parents[1],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 300
     while not list(output.glob("*.parquet")):
-        assert driver.poll() is None and time.monotonic() < deadline, "the job ended or took too long before writing labels"
+        assert driver.poll() is None and time.monotonic() < deadline, (
+            "the job ended or took too long before writing labels"
+        )
         time.sleep(0.05)
     driver.kill()
     driver.wait()

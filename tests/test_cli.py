@@ -13,11 +13,11 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import yaml
-
 from conftest import FTFLOW, free_port, read_jsonl, write_jsonl
+from test_flow import params
+
 from flows import console
 from tasks.config import SHIPPED_DATA, FinetuneParams
-from test_flow import params
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,13 +48,25 @@ def model_hub():
         connection.close()
 
 
-@pytest.mark.parametrize("args, line", [
-    (["run", "--set", "train.epoch=3"], "ftflow run: train: unknown parameter 'epoch': did you mean 'epochs'?"),
-    (["run", "--set", "train.batch_size=lots"], "ftflow run: train.batch_size: Input should be a valid integer, unable to parse string as an integer"),
-    (["run", "--params", "{file}"], "ftflow run: {file}: data: unknown parameter 'train': did you mean 'train_uri'?"),
-    (["run", "--epochs", "3"], "ftflow run: No such option: --epochs (see --help)"),
-    (["infer", "m", "in.jsonl", "out", "--device", "tpu"], "ftflow infer: device: Input should be 'auto', 'cpu' or 'gpu'"),
-])
+@pytest.mark.parametrize(
+    "args, line",
+    [
+        (["run", "--set", "train.epoch=3"], "ftflow run: train: unknown parameter 'epoch': did you mean 'epochs'?"),
+        (
+            ["run", "--set", "train.batch_size=lots"],
+            "ftflow run: train.batch_size: Input should be a valid integer, unable to parse string as an integer",
+        ),
+        (
+            ["run", "--params", "{file}"],
+            "ftflow run: {file}: data: unknown parameter 'train': did you mean 'train_uri'?",
+        ),
+        (["run", "--epochs", "3"], "ftflow run: No such option: --epochs (see --help)"),
+        (
+            ["infer", "m", "in.jsonl", "out", "--device", "tpu"],
+            "ftflow infer: device: Input should be 'auto', 'cpu' or 'gpu'",
+        ),
+    ],
+)
 def test_bad_input_is_one_line_and_exit_code_2(tmp_path, args, line):
     """Before Prefect or Ray start: no traceback, nothing on stdout."""
     file = tmp_path / "params.yaml"
@@ -63,8 +75,20 @@ def test_bad_input_is_one_line_and_exit_code_2(tmp_path, args, line):
     assert (run.returncode, run.stdout, run.stderr) == (2, "", line.format(file=file) + "\n")
 
 
-@pytest.mark.parametrize("case", ["missing file", "empty split", "bad labels", "corrupt parquet", "unknown bucket", "no model",
-                                  "infer: no model", "infer: no champion", "infer: no input"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "missing file",
+        "empty split",
+        "bad labels",
+        "corrupt parquet",
+        "unknown bucket",
+        "no model",
+        "infer: no model",
+        "infer: no champion",
+        "infer: no input",
+    ],
+)
 def test_data_model_and_storage_are_refused_before_anything_starts(tmp_path, s3_endpoint, tiny_model, case):
     """The flow's own checks and words, run by the command before it starts Prefect or Ray: the
     Prefect API it is given is a closed port, so a check made in the flow could not answer at all."""
@@ -73,24 +97,49 @@ def test_data_model_and_storage_are_refused_before_anything_starts(tmp_path, s3_
     (tmp_path / "corrupt.parquet").write_bytes(b"PAR1 not parquet at all")
     test = str(SHIPPED_DATA / "test.jsonl")
     args, line = {
-        "missing file": (["run", "--set", f"data.train_uri={tmp_path}/nope.jsonl"], f"{tmp_path}/nope.jsonl: file not found"),
-        "empty split": (["run", "--set", f"data.test_uri={tmp_path}/empty.jsonl"], f"{tmp_path}/empty.jsonl: the test split is empty"),
-        "bad labels": (["run", "--set", f"data.validation_uri={bad_labels}"],
-                       f"{bad_labels}: column 'label' has labels outside ['negative', 'positive'] (or ids 0..1): 7 at rows [1]"),
-        "corrupt parquet": (["run", "--set", f"data.train_uri={tmp_path}/corrupt.parquet"],
-                            f"{tmp_path}/corrupt.parquet: cannot be read as parquet: "),
-        "unknown bucket": (["run", "--set", "storage_root=s3://no-such-bucket/ftflow"],
-                           "storage_root s3://no-such-bucket/ftflow: bucket 'no-such-bucket' does not exist; ftflow creates no buckets: "
-                           "create it or fix the name"),
-        "no model": (["run", "--set", "model.name_or_path=/nonexistent/model"], "model.name_or_path /nonexistent/model: no such folder"),
-        "infer: no model": (["infer", "/nonexistent/model", test, f"{tmp_path}/out"], "model_uri /nonexistent/model: no such folder"),
-        "infer: no champion": (["infer", "models/nobody@champion", test, f"{tmp_path}/out", "--storage-root", str(tmp_path)],
-                               f"model_uri models/nobody@champion: the registry entry 'nobody' under {tmp_path} has no champion yet "
-                               f"(no {tmp_path}/models/nobody/champion): a finetune run with promotion.model_name='nobody' and this "
-                               "storage_root promotes one"),
-        "infer: no input": (["infer", str(tiny_model), f"{tmp_path}/nope.jsonl", f"{tmp_path}/out"], f"{tmp_path}/nope.jsonl: file not found"),
+        "missing file": (
+            ["run", "--set", f"data.train_uri={tmp_path}/nope.jsonl"],
+            f"{tmp_path}/nope.jsonl: file not found",
+        ),
+        "empty split": (
+            ["run", "--set", f"data.test_uri={tmp_path}/empty.jsonl"],
+            f"{tmp_path}/empty.jsonl: the test split is empty",
+        ),
+        "bad labels": (
+            ["run", "--set", f"data.validation_uri={bad_labels}"],
+            f"{bad_labels}: column 'label' has labels outside ['negative', 'positive'] (or ids 0..1): 7 at rows [1]",
+        ),
+        "corrupt parquet": (
+            ["run", "--set", f"data.train_uri={tmp_path}/corrupt.parquet"],
+            f"{tmp_path}/corrupt.parquet: cannot be read as parquet: ",
+        ),
+        "unknown bucket": (
+            ["run", "--set", "storage_root=s3://no-such-bucket/ftflow"],
+            "storage_root s3://no-such-bucket/ftflow: bucket 'no-such-bucket' does not exist; ftflow creates no buckets: "
+            "create it or fix the name",
+        ),
+        "no model": (
+            ["run", "--set", "model.name_or_path=/nonexistent/model"],
+            "model.name_or_path /nonexistent/model: no such folder",
+        ),
+        "infer: no model": (
+            ["infer", "/nonexistent/model", test, f"{tmp_path}/out"],
+            "model_uri /nonexistent/model: no such folder",
+        ),
+        "infer: no champion": (
+            ["infer", "models/nobody@champion", test, f"{tmp_path}/out", "--storage-root", str(tmp_path)],
+            f"model_uri models/nobody@champion: the registry entry 'nobody' under {tmp_path} has no champion yet "
+            f"(no {tmp_path}/models/nobody/champion): a finetune run with promotion.model_name='nobody' and this "
+            "storage_root promotes one",
+        ),
+        "infer: no input": (
+            ["infer", str(tiny_model), f"{tmp_path}/nope.jsonl", f"{tmp_path}/out"],
+            f"{tmp_path}/nope.jsonl: file not found",
+        ),
     }[case]
-    refused = ftflow(*args, PREFECT_API_URL=f"http://127.0.0.1:{free_port()}/api", FTFLOW_STORAGE_ROOT=str(tmp_path / "store"))
+    refused = ftflow(
+        *args, PREFECT_API_URL=f"http://127.0.0.1:{free_port()}/api", FTFLOW_STORAGE_ROOT=str(tmp_path / "store")
+    )
     command = f"ftflow {args[0]}: "
     assert (refused.returncode, refused.stdout) == (2, "") and refused.stderr.startswith(command + line), refused.stderr
     assert len(refused.stderr.splitlines()) == 1 and "\x1b" not in refused.stderr
@@ -99,17 +148,23 @@ def test_data_model_and_storage_are_refused_before_anything_starts(tmp_path, s3_
 
 def test_an_error_line_carries_no_terminal_colour_codes(capfd):
     """Ray colours names in its errors' messages (seen: an inference actor that died starting)."""
-    console.error("ftflow infer: The actor died because of an error raised in its creation task, "
-                  "\x1b[36mray::MapWorker(MapBatches(Labeller)).__init__()\x1b[39m (ActorDiedError)")
-    assert capfd.readouterr().err == ("ftflow infer: The actor died because of an error raised in its creation task, "
-                                      "ray::MapWorker(MapBatches(Labeller)).__init__() (ActorDiedError)\n")
+    console.error(
+        "ftflow infer: The actor died because of an error raised in its creation task, "
+        "\x1b[36mray::MapWorker(MapBatches(Labeller)).__init__()\x1b[39m (ActorDiedError)"
+    )
+    assert capfd.readouterr().err == (
+        "ftflow infer: The actor died because of an error raised in its creation task, "
+        "ray::MapWorker(MapBatches(Labeller)).__init__() (ActorDiedError)\n"
+    )
 
 
 def test_help_shows_every_field_with_its_description_and_params_writes_the_defaults():
     shown = ftflow("run", "--help")
     text = " ".join(shown.stdout.split())
-    for name, field in [("train.zero_stage", FinetuneParams.model_fields["train"].annotation.model_fields["zero_stage"]),
-                        ("inference.precision", FinetuneParams.model_fields["inference"].annotation.model_fields["precision"])]:
+    for name, field in [
+        ("train.zero_stage", FinetuneParams.model_fields["train"].annotation.model_fields["zero_stage"]),
+        ("inference.precision", FinetuneParams.model_fields["inference"].annotation.model_fields["precision"]),
+    ]:
         assert name in text and " ".join(field.description.split())[:40] in text
     assert "--batch-size" in ftflow("infer", "--help").stdout
     written = ftflow("params")
@@ -117,27 +172,52 @@ def test_help_shows_every_field_with_its_description_and_params_writes_the_defau
     assert "# DeepSpeed ZeRO: 0 replicates the model" in written.stdout
 
 
-def test_a_run_shows_its_stages_on_a_quiet_console_then_its_champion_labels_a_corpus(tiny_model, small_data, tmp_path, model_hub):
+def test_a_run_shows_its_stages_on_a_quiet_console_then_its_champion_labels_a_corpus(
+    tiny_model, small_data, tmp_path, model_hub
+):
     """ftflow's lines only, the full log in the run's folder; then `ftflow infer` with the champion.
     Neither asks a model hub anything about a model folder, HF_HUB_OFFLINE unset as a user leaves it."""
     store, (hub, asked) = tmp_path / "store", model_hub
     online = {"HF_HUB_OFFLINE": "0", "HF_ENDPOINT": hub}
-    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params(tiny_model, small_data, str(store)).model_dump(mode="json")))
+    (tmp_path / "params.yaml").write_text(
+        yaml.safe_dump(params(tiny_model, small_data, str(store)).model_dump(mode="json"))
+    )
     # One epoch of the tiny model learns nothing (test accuracy 0.5000): no floor, so that it becomes the champion.
-    run = ftflow("run", "--params", str(tmp_path / "params.yaml"), "--set", "train.epochs=1", "--set", "promotion.min_score=0",
-                 timeout=600, **online)
+    run = ftflow(
+        "run",
+        "--params",
+        str(tmp_path / "params.yaml"),
+        "--set",
+        "train.epochs=1",
+        "--set",
+        "promotion.min_score=0",
+        timeout=600,
+        **online,
+    )
     assert run.returncode == 0 and run.stderr == "", run.stdout + run.stderr
     lines = run.stdout.splitlines()
     for stage in ("tokenize", "train", "evaluate", "promote", "batch inference"):
         assert f"▶ {stage}" in lines and any(re.fullmatch(rf"✓ {stage}: \d+\.\d s", line) for line in lines), run.stdout
-    assert len(lines) <= 30 and not [line for line in lines if re.search(r"\| INFO|\(pid=|Ray|DeepSpeed|Traceback", line)], run.stdout
+    assert len(lines) <= 30 and not [
+        line for line in lines if re.search(r"\| INFO|\(pid=|Ray|DeepSpeed|Traceback", line)
+    ], run.stdout
     [run_dir] = (store / "runs").iterdir()
     assert f"artifacts:     {run_dir}" in lines
     [log] = (run_dir / "logs").iterdir()
     assert re.search(r"Finished in state Completed", log.read_text()) and "train: 60 / 64 steps" in log.read_text()
 
-    labelled = ftflow("infer", "models/sentiment@champion", str(small_data["test"]), str(tmp_path / "labels"),
-                      "--storage-root", str(store), "--actors", "1", timeout=600, **online)
+    labelled = ftflow(
+        "infer",
+        "models/sentiment@champion",
+        str(small_data["test"]),
+        str(tmp_path / "labels"),
+        "--storage-root",
+        str(store),
+        "--actors",
+        "1",
+        timeout=600,
+        **online,
+    )
     assert labelled.returncode == 0 and labelled.stderr == "", labelled.stdout + labelled.stderr
     assert "✓ batch inference: " in labelled.stdout and f"predictions: {tmp_path / 'labels'}" in labelled.stdout
     assert pq.read_table(tmp_path / "labels").num_rows == len(read_jsonl(small_data["test"]))

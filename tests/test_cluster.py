@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 from conftest import BUCKET, FTFLOW, free_port, write_jsonl
 from ray.job_submission import JobStatus, JobSubmissionClient, JobType
+from test_flow import check_run, params
 
 from tasks import cluster, storage
-from test_flow import check_run, params
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -33,12 +33,37 @@ def start_ray_head(port: int, env: dict[str, str], *args: str, dashboard: int | 
     """`ray start --block`: the head's processes end with it, leaving any other Ray alone. With a
     dashboard port, its Job API listens there (on loopback); the Job API needs the head's dashboard
     agent, whose default port the suite's own local Ray already holds."""
-    api = (["--dashboard-host", "127.0.0.1", "--dashboard-port", str(dashboard), "--dashboard-agent-listen-port", str(free_port())]
-           if dashboard else ["--include-dashboard", "false"])
+    api = (
+        [
+            "--dashboard-host",
+            "127.0.0.1",
+            "--dashboard-port",
+            str(dashboard),
+            "--dashboard-agent-listen-port",
+            str(free_port()),
+        ]
+        if dashboard
+        else ["--include-dashboard", "false"]
+    )
     head = subprocess.Popen(
-        [str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address", "127.0.0.1",
-         "--port", str(port), *api, "--disable-usage-stats", *(args or ["--num-cpus", "2"])],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        [
+            str(BIN / "ray"),
+            "start",
+            "--head",
+            "--block",
+            "--node-ip-address",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            *api,
+            "--disable-usage-stats",
+            *(args or ["--num-cpus", "2"]),
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     for _ in range(240):
         with socket.socket() as s:
             if s.connect_ex(("127.0.0.1", port)) == 0:
@@ -63,16 +88,27 @@ def test_finetune_joins_a_ray_cluster_that_requires_a_token(tiny_model, small_da
     secured = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}
     head = start_ray_head(port, secured)
     try:
-        stranger = subprocess.run([sys.executable, "-c", f"from tasks import cluster; cluster.connect('127.0.0.1:{port}')"],
-                                  cwd=ROOT, env=without_secrets(os.environ, tmp_path / "home"), capture_output=True,
-                                  text=True, timeout=120)
+        stranger = subprocess.run(
+            [sys.executable, "-c", f"from tasks import cluster; cluster.connect('127.0.0.1:{port}')"],
+            cwd=ROOT,
+            env=without_secrets(os.environ, tmp_path / "home"),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert stranger.returncode != 0
         assert f"the Ray cluster at 127.0.0.1:{port} refused this driver's token" in stranger.stderr.splitlines()[-1]
 
         config = tmp_path / "params.json"
         config.write_text(params(tiny_model, small_data, str(tmp_path / "store")).model_dump_json())
-        run = subprocess.run([FTFLOW, "run", "--verbose", "--params", str(config)], cwd=ROOT,
-                             env={**secured, "RAY_ADDRESS": f"127.0.0.1:{port}"}, capture_output=True, text=True, timeout=900)
+        run = subprocess.run(
+            [FTFLOW, "run", "--verbose", "--params", str(config)],
+            cwd=ROOT,
+            env={**secured, "RAY_ADDRESS": f"127.0.0.1:{port}"},
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
         assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     finally:
         os.killpg(head.pid, signal.SIGTERM)
@@ -100,18 +136,28 @@ def job_api_ready(url: str, token: str) -> None:
     with pytest.raises(urllib.error.HTTPError) as refused:
         urllib.request.urlopen(f"{url}/api/jobs/", timeout=10)
     assert refused.value.code in (401, 403), "the Job API refuses a client without the cluster's token"
-    urllib.request.urlopen(urllib.request.Request(f"{url}/api/jobs/", headers={"Authorization": f"Bearer {token}"}), timeout=10)
+    urllib.request.urlopen(
+        urllib.request.Request(f"{url}/api/jobs/", headers={"Authorization": f"Bearer {token}"}), timeout=10
+    )
 
 
 def running_job(client: JobSubmissionClient, prefix: str, status: JobStatus, ignore: set[str] = frozenset()) -> str:
     """The id of the job whose id starts with prefix once it has the status (within 120 s)."""
     for _ in range(240):
-        job = next((job.submission_id for job in client.list_jobs()
-                    if job.submission_id.startswith(prefix) and job.submission_id not in ignore and job.status == status), None)
+        job = next(
+            (
+                job.submission_id
+                for job in client.list_jobs()
+                if job.submission_id.startswith(prefix) and job.submission_id not in ignore and job.status == status
+            ),
+            None,
+        )
         if job:
             return job
         time.sleep(0.5)
-    raise AssertionError(f"no job {prefix}* reached {status}: {[(job.submission_id, job.status) for job in client.list_jobs()]}")
+    raise AssertionError(
+        f"no job {prefix}* reached {status}: {[(job.submission_id, job.status) for job in client.list_jobs()]}"
+    )
 
 
 def test_finetune_from_outside_the_cluster_as_ray_jobs(tiny_model, s3_data, tmp_path):
@@ -126,29 +172,59 @@ def test_finetune_from_outside_the_cluster_as_ray_jobs(tiny_model, s3_data, tmp_
     head = start_ray_head(port, secured, dashboard=dashboard)
     try:
         job_api_ready(url, token)
-        with pytest.raises(ValueError, match=r"^storage_root /x is a local path, but the stages run as Ray Jobs on the cluster at "):
+        with pytest.raises(
+            ValueError, match=r"^storage_root /x is a local path, but the stages run as Ray Jobs on the cluster at "
+        ):
             cluster.refuse_local_paths({"storage_root": ["/x"]}, False, url)
-        with pytest.raises(ValueError, match=r"^ray_address ray://127.0.0.1:10001: Ray Client cannot run ftflow's stages"):
+        with pytest.raises(
+            ValueError, match=r"^ray_address ray://127.0.0.1:10001: Ray Client cannot run ftflow's stages"
+        ):
             cluster.connect("ray://127.0.0.1:10001")
 
         config = tmp_path / "params.json"
         config.write_text(params(tiny_model, s3_data, f"s3://{BUCKET}/from-outside").model_dump_json())
-        run = subprocess.run([FTFLOW, "run", "--verbose", "--params", str(config)], cwd=ROOT,
-                             env={**secured, "RAY_ADDRESS": url}, capture_output=True, text=True, timeout=900)
+        run = subprocess.run(
+            [FTFLOW, "run", "--verbose", "--params", str(config)],
+            cwd=ROOT,
+            env={**secured, "RAY_ADDRESS": url},
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
         assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
 
         refused = subprocess.run(
-            [sys.executable, "-c", "import sys; from flows.batch_infer import batch_infer; batch_infer(*sys.argv[1:], device='gpu')",
-             str(tiny_model), s3_data["test"], f"s3://{BUCKET}/never"], cwd=ROOT, env={**secured, "RAY_ADDRESS": url},
-            capture_output=True, text=True, timeout=300)
+            [
+                sys.executable,
+                "-c",
+                "import sys; from flows.batch_infer import batch_infer; batch_infer(*sys.argv[1:], device='gpu')",
+                str(tiny_model),
+                s3_data["test"],
+                f"s3://{BUCKET}/never",
+            ],
+            cwd=ROOT,
+            env={**secured, "RAY_ADDRESS": url},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert refused.returncode != 0
-        assert ("ValueError: device=gpu but the Ray cluster has no GPU, and no autoscaler to add one: use device=cpu or auto"
-                in refused.stderr.splitlines()), refused.stderr[-3000:]
+        assert (
+            "ValueError: device=gpu but the Ray cluster has no GPU, and no autoscaler to add one: use device=cpu or auto"
+            in refused.stderr.splitlines()
+        ), refused.stderr[-3000:]
         client = JobSubmissionClient(url, headers={"Authorization": f"Bearer {token}"})
         # A flow run stopped mid-training (Prefect cancels one with SIGTERM) stops its job on the cluster.
-        cancelled = subprocess.Popen([FTFLOW, "run", "--verbose", "--params", str(config)], cwd=ROOT,
-                                     env={**secured, "RAY_ADDRESS": url}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        training = running_job(client, "ftflow-fit-", JobStatus.RUNNING, ignore={job.submission_id for job in client.list_jobs()})
+        cancelled = subprocess.Popen(
+            [FTFLOW, "run", "--verbose", "--params", str(config)],
+            cwd=ROOT,
+            env={**secured, "RAY_ADDRESS": url},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        training = running_job(
+            client, "ftflow-fit-", JobStatus.RUNNING, ignore={job.submission_id for job in client.list_jobs()}
+        )
         cancelled.send_signal(signal.SIGTERM)
         assert cancelled.wait(timeout=60) != 0
         assert running_job(client, training, JobStatus.STOPPED), "the flow's job was stopped with it"
@@ -164,14 +240,17 @@ def test_finetune_from_outside_the_cluster_as_ray_jobs(tiny_model, s3_data, tmp_
     stages = sorted(job.submission_id.split("-")[1] for job in jobs if job.status == JobStatus.SUCCEEDED)
     # The plan is checked by both runs (the cancelled one's too, before its training started).
     assert stages == ["check_plan", "check_plan", "fit", "labelled", "score", "tokenized_shards"], [
-        (j.submission_id, j.status, j.message) for j in jobs]
+        (j.submission_id, j.status, j.message) for j in jobs
+    ]
     log = run.stderr  # the flow run's log, as Prefect prints it
     for stage in stages:
         assert re.search(rf"{stage} runs as Ray job ftflow-{stage}-\w+ on {url}", log)
     # The stages' own lines, from the jobs' logs, in the flow run's log as they came.
     assert re.search(r"Task run 'train-\w+' - training on 1 CPU worker", log), log[-3000:]
     assert re.search(r"Task run 'tokenize-\w+' - tokenized \{'train': 2048", log)
-    assert re.search(r"Task run 'train-\w+' - train: 10 / \d+ steps, epoch ", log), "the training's ticks came back on the job's log"
+    assert re.search(r"Task run 'train-\w+' - train: 10 / \d+ steps, epoch ", log), (
+        "the training's ticks came back on the job's log"
+    )
     assert "WebSocket closed" not in log
 
 
@@ -193,7 +272,10 @@ def test_flows_run_against_a_prefect_server_that_requires_an_auth_string(tiny_mo
     server = subprocess.Popen(
         [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
         env={**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_SERVER_API_AUTH_STRING": auth},
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         for _ in range(240):  # /api/health answers without credentials: it says only that the server is up
             try:
@@ -206,10 +288,20 @@ def test_flows_run_against_a_prefect_server_that_requires_an_auth_string(tiny_mo
         write_jsonl(tmp_path / "corpus" / "reviews.jsonl", [{"text": f"review {i}"} for i in range(50)])
         labels = tmp_path / "labels"
         run = subprocess.run(
-            [sys.executable, "-c", "import sys; from flows.batch_infer import batch_infer; batch_infer(*sys.argv[1:])",
-             str(tiny_model), str(tmp_path / "corpus"), str(labels)],
-            cwd=ROOT, env={**os.environ, "PREFECT_API_URL": url, "PREFECT_API_AUTH_STRING": auth},
-            capture_output=True, text=True, timeout=600)
+            [
+                sys.executable,
+                "-c",
+                "import sys; from flows.batch_infer import batch_infer; batch_infer(*sys.argv[1:])",
+                str(tiny_model),
+                str(tmp_path / "corpus"),
+                str(labels),
+            ],
+            cwd=ROOT,
+            env={**os.environ, "PREFECT_API_URL": url, "PREFECT_API_AUTH_STRING": auth},
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
         status, runs = api(f"{url}/flow_runs/filter", auth)
         assert status == 200 and [r["state_type"] for r in runs] == ["COMPLETED"]
@@ -224,25 +316,61 @@ def autoscaling_config(port: int, path: Path) -> Path:
     """Ray's fake multi-node provider (its example.yaml, which the wheel lacks): a head that offers
     no CPU for work and a 3-CPU node type from zero to three nodes, each a separate raylet on this
     machine, removed after ~12 s idle. gcs_address: added nodes join this test's head, not :6379."""
-    path.write_text(json.dumps({
-        "cluster_name": "ftflow-test", "max_workers": 3, "upscaling_speed": 1.0, "idle_timeout_minutes": 0.2,
-        "provider": {"type": "fake_multinode", "use_node_id_as_ip": True, "disable_node_updaters": True,
-                     "disable_launch_config_check": True, "gcs_address": f"127.0.0.1:{port}"},
-        "available_node_types": {
-            "ray.head.default": {"resources": {"CPU": 0}, "node_config": {}, "max_workers": 0},
-            "cpu3": {"resources": {"CPU": 3, "object_store_memory": 300 * 2**20}, "node_config": {}, "min_workers": 0, "max_workers": 3},
-        },
-        "head_node_type": "ray.head.default", "auth": {}, "docker": {}, "file_mounts": {}, "cluster_synced_files": [],
-        "file_mounts_sync_continuously": False, "rsync_exclude": [], "rsync_filter": [], "initialization_commands": [],
-        "setup_commands": [], "head_setup_commands": [], "worker_setup_commands": [], "head_start_ray_commands": [],
-        "worker_start_ray_commands": [],
-    }))
+    path.write_text(
+        json.dumps(
+            {
+                "cluster_name": "ftflow-test",
+                "max_workers": 3,
+                "upscaling_speed": 1.0,
+                "idle_timeout_minutes": 0.2,
+                "provider": {
+                    "type": "fake_multinode",
+                    "use_node_id_as_ip": True,
+                    "disable_node_updaters": True,
+                    "disable_launch_config_check": True,
+                    "gcs_address": f"127.0.0.1:{port}",
+                },
+                "available_node_types": {
+                    "ray.head.default": {"resources": {"CPU": 0}, "node_config": {}, "max_workers": 0},
+                    "cpu3": {
+                        "resources": {"CPU": 3, "object_store_memory": 300 * 2**20},
+                        "node_config": {},
+                        "min_workers": 0,
+                        "max_workers": 3,
+                    },
+                },
+                "head_node_type": "ray.head.default",
+                "auth": {},
+                "docker": {},
+                "file_mounts": {},
+                "cluster_synced_files": [],
+                "file_mounts_sync_continuously": False,
+                "rsync_exclude": [],
+                "rsync_filter": [],
+                "initialization_commands": [],
+                "setup_commands": [],
+                "head_setup_commands": [],
+                "worker_setup_commands": [],
+                "head_start_ray_commands": [],
+                "worker_start_ray_commands": [],
+            }
+        )
+    )
     return path
 
 
 def alive_nodes(env: dict[str, str]) -> int:
-    count = subprocess.run([sys.executable, "-c", "import ray; ray.init(log_to_driver=False); "
-                            "print('alive:', sum(n['Alive'] for n in ray.nodes()))"], env=env, capture_output=True, text=True, timeout=120)
+    count = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import ray; ray.init(log_to_driver=False); print('alive:', sum(n['Alive'] for n in ray.nodes()))",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     return int(re.search(r"^alive: (\d+)$", count.stdout, re.M)[1])
 
 
@@ -254,9 +382,14 @@ def test_finetune_on_a_cluster_that_grows_and_shrinks(tiny_model, s3_data, tmp_p
     (a GPU) fails within the configured wait, saying so, in training and in batch inference."""
     port, token = free_port(), secrets.token_hex(32)
     secured = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}
-    head = start_ray_head(port, {**secured, "RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1"},
-                          "--num-cpus", "0", "--autoscaling-config",
-                          str(autoscaling_config(port, tmp_path / "cluster.json")))
+    head = start_ray_head(
+        port,
+        {**secured, "RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1"},
+        "--num-cpus",
+        "0",
+        "--autoscaling-config",
+        str(autoscaling_config(port, tmp_path / "cluster.json")),
+    )
     driver = {**secured, "RAY_ADDRESS": f"127.0.0.1:{port}"}
 
     def finetune(root: str, **train: object) -> subprocess.CompletedProcess:
@@ -265,14 +398,23 @@ def test_finetune_on_a_cluster_that_grows_and_shrinks(tiny_model, s3_data, tmp_p
         run_params.train = run_params.train.model_copy(update={"num_workers": 2, "cpus_per_worker": 2, **train})
         run_params.inference.actors = 2
         config.write_text(run_params.model_dump_json())
-        return subprocess.run([FTFLOW, "run", "--verbose", "--params", str(config)], cwd=ROOT, env=driver,
-                              capture_output=True, text=True, timeout=900)
+        return subprocess.run(
+            [FTFLOW, "run", "--verbose", "--params", str(config)],
+            cwd=ROOT,
+            env=driver,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+
     try:
         time.sleep(3)  # the autoscaler's first report, by which a driver knows it is there
         refused = finetune(str(tmp_path / "local-store"))
         assert refused.returncode != 0 and not (tmp_path / "local-store").exists()
-        assert (f"storage_root {tmp_path / 'local-store'} is a local path, but the Ray cluster has 1 node(s) and an "
-                "autoscaler that adds more, which do not all share this machine's disk") in refused.stderr, refused.stderr[-3000:]
+        assert (
+            f"storage_root {tmp_path / 'local-store'} is a local path, but the Ray cluster has 1 node(s) and an "
+            "autoscaler that adds more, which do not all share this machine's disk"
+        ) in refused.stderr, refused.stderr[-3000:]
 
         run = finetune(f"s3://{BUCKET}/grows")
         assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
@@ -284,19 +426,36 @@ def test_finetune_on_a_cluster_that_grows_and_shrinks(tiny_model, s3_data, tmp_p
 
         never = finetune(f"s3://{BUCKET}/never", device="gpu", wait_for_workers_s=15)
         assert never.returncode != 0
-        assert ("the Ray cluster did not make room for 2 training worker(s) of 2 CPU and 1 GPU each within "
-                "wait_for_workers_s=15") in never.stderr, never.stderr[-3000:]
+        assert (
+            "the Ray cluster did not make room for 2 training worker(s) of 2 CPU and 1 GPU each within "
+            "wait_for_workers_s=15"
+        ) in never.stderr, never.stderr[-3000:]
         no_actors = subprocess.run(
-            [sys.executable, "-c", "import sys; from flows.batch_infer import batch_infer; "
-             "batch_infer(*sys.argv[1:], device='gpu', wait_for_actors_s=10)", str(tiny_model), s3_data["test"],
-             str(tmp_path / "labels")], cwd=ROOT, env=driver, capture_output=True, text=True, timeout=300)
+            [
+                sys.executable,
+                "-c",
+                "import sys; from flows.batch_infer import batch_infer; "
+                "batch_infer(*sys.argv[1:], device='gpu', wait_for_actors_s=10)",
+                str(tiny_model),
+                s3_data["test"],
+                str(tmp_path / "labels"),
+            ],
+            cwd=ROOT,
+            env=driver,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert no_actors.returncode != 0 and not (tmp_path / "labels" / storage.MARKER).exists()
-        assert ("the Ray cluster did not start 1 inference actor(s) of 1 CPU and 1 GPU each within wait_for_actors_s=10"
-                in no_actors.stderr), no_actors.stderr[-3000:]
+        assert (
+            "the Ray cluster did not start 1 inference actor(s) of 1 CPU and 1 GPU each within wait_for_actors_s=10"
+            in no_actors.stderr
+        ), no_actors.stderr[-3000:]
     finally:
         os.killpg(head.pid, signal.SIGTERM)
         head.wait(timeout=60)
     run_dir = re.search(r"artifacts: +(\S+)", run.stdout)[1]
-    manifest = check_run(run_dir, {"test_accuracy": storage.read_json(storage.join(run_dir, "metrics.json"))["accuracy"]},
-                         s3_data)
+    manifest = check_run(
+        run_dir, {"test_accuracy": storage.read_json(storage.join(run_dir, "metrics.json"))["accuracy"]}, s3_data
+    )
     assert len(set(manifest["metrics"]["training"]["nodes"])) == 2, "one worker per added node: 2 CPUs each, 3 per node"

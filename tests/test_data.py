@@ -7,11 +7,20 @@ import hashlib
 
 import pandas as pd
 import pytest
-
 from conftest import BUCKET, write_jsonl
+
 from tasks import data, storage
 from tasks.config import DataConfig
-from tasks.data import CHUNK_ROWS, DataError, Split, iter_frames, labelled_frames, load_split, load_splits, unlabelled_files
+from tasks.data import (
+    CHUNK_ROWS,
+    DataError,
+    Split,
+    iter_frames,
+    labelled_frames,
+    load_split,
+    load_splits,
+    unlabelled_files,
+)
 
 ROWS = [{"text": "a fine film", "label": 1}, {"text": "a dull film", "label": 0}, {"text": "great", "label": 1}]
 
@@ -29,8 +38,11 @@ def write(frame: pd.DataFrame, path, fmt: str):
 def rows_of(split: Split) -> pd.DataFrame:
     """The split's rows as the workers read them, piece by piece: text, label id, and the row number
     in the split."""
-    frames = [frame.set_axis(frame.index - piece.file_row + piece.first_row, axis=0)
-              for piece in split.pieces for frame in labelled_frames(piece.uri, split.schema, piece=piece)]
+    frames = [
+        frame.set_axis(frame.index - piece.file_row + piece.first_row, axis=0)
+        for piece in split.pieces
+        for frame in labelled_frames(piece.uri, split.schema, piece=piece)
+    ]
     return pd.concat(frames)
 
 
@@ -79,7 +91,10 @@ def test_a_utf8_byte_order_mark_is_read_as_if_absent(tmp_path, monkeypatch, requ
         assert rows_of(split)[["text", "label"]].reset_index(drop=True).equals(rows)
         assert split.sha256 == hashlib.sha256(path.read_bytes()).hexdigest()
         assert unlabelled_files(uri, "text", None) == [uri]
-        assert pd.concat([frame for piece in split.pieces for frame in iter_frames(uri, piece=piece)])["text"].tolist() == rows["text"].tolist()
+        assert (
+            pd.concat([frame for piece in split.pieces for frame in iter_frames(uri, piece=piece)])["text"].tolist()
+            == rows["text"].tolist()
+        )
 
 
 def mixed_split(folder, rows: list[dict]) -> tuple[list[str], pd.DataFrame]:
@@ -87,8 +102,13 @@ def mixed_split(folder, rows: list[dict]) -> tuple[list[str], pd.DataFrame]:
     Parquet one, as ids elsewhere) and a TSV named by a glob. Returns the inputs, and the rows in
     sorted-path order, which is the order the files are listed here."""
     quarter = -(-len(rows) // 4)
-    paths = [folder / "dir" / "a.jsonl", folder / "dir" / "b.csv", folder / "dir" / "c.parquet", folder / "extra" / "d.tsv"]
-    for path, start in zip(paths, range(0, len(rows), quarter)):
+    paths = [
+        folder / "dir" / "a.jsonl",
+        folder / "dir" / "b.csv",
+        folder / "dir" / "c.parquet",
+        folder / "extra" / "d.tsv",
+    ]
+    for path, start in zip(paths, range(0, len(rows), quarter), strict=True):
         piece = pd.DataFrame(rows[start : start + quarter])
         if path.suffix == ".parquet":
             piece["label"] = piece["label"].map(dict(enumerate(DataConfig().label_names)))
@@ -101,7 +121,11 @@ def test_a_split_is_directories_globs_and_lists_of_them(tmp_path):
     inputs, expected = mixed_split(tmp_path / "here", [{"text": f"t{i}", "label": i % 2} for i in range(10)])
     split = load_split("train", inputs, DataConfig())
     assert [uri.removeprefix(str(tmp_path / "here")) for uri in split.uris] == [
-        "/dir/a.jsonl", "/dir/b.csv", "/dir/c.parquet", "/extra/d.tsv"]
+        "/dir/a.jsonl",
+        "/dir/b.csv",
+        "/dir/c.parquet",
+        "/extra/d.tsv",
+    ]
     assert [(piece.rows, piece.first_row) for piece in split.pieces] == [(3, 0), (3, 3), (3, 6), (1, 9)]
     rows = rows_of(split)
     assert rows.index.tolist() == list(range(10))
@@ -133,7 +157,9 @@ def test_a_file_read_in_pieces_gives_every_row_once(tmp_path, monkeypatch, fmt):
     """JSONL cut by bytes (a line belongs to the piece it starts in), Parquet by row groups: one big
     file is read by many tasks. Errors still name the row in the file."""
     monkeypatch.setattr(data, "PIECE_BYTES", 300)
-    rows = pd.DataFrame({"text": [f"review {i}" + "!" * (i % 7) for i in range(200)], "label": [i % 3 % 2 for i in range(200)]})
+    rows = pd.DataFrame(
+        {"text": [f"review {i}" + "!" * (i % 7) for i in range(200)], "label": [i % 3 % 2 for i in range(200)]}
+    )
     path = tmp_path / f"train.{fmt}"
     rows.to_parquet(path, row_group_size=16) if fmt == "parquet" else write(rows, path, fmt)
     split = load_split("train", str(path), DataConfig())
@@ -154,7 +180,10 @@ BAD_INPUTS = {
     "empty split": ([], "split is empty"),
     "non-string text": ([{"text": 42, "label": 1}, {"text": "ok", "label": 0}], "non-string values at rows [0]"),
     "empty text": ([{"text": "ok", "label": 1}, {"text": "  ", "label": 0}], "empty texts at rows [1]"),
-    "label outside set": ([{"text": "ok", "label": 1}, {"text": "no", "label": 7}], "labels outside ['negative', 'positive']"),
+    "label outside set": (
+        [{"text": "ok", "label": 1}, {"text": "no", "label": 7}],
+        "labels outside ['negative', 'positive']",
+    ),
 }
 
 
@@ -171,7 +200,9 @@ def test_bad_input_names_file_and_problem(tmp_path, case):
 
 def test_single_class_training_split_is_refused(tmp_path, small_data):
     train = write_jsonl(tmp_path / "train.jsonl", [{"text": "good", "label": 1}, {"text": "fine", "label": 1}])
-    cfg = DataConfig(train_uri=str(train), validation_uri=str(small_data["validation"]), test_uri=str(small_data["test"]))
+    cfg = DataConfig(
+        train_uri=str(train), validation_uri=str(small_data["validation"]), test_uri=str(small_data["test"])
+    )
     with pytest.raises(DataError, match=f"{train}: the training split has a single class \\('positive'\\)"):
         load_splits(cfg)
 
@@ -183,8 +214,12 @@ def test_an_empty_split_of_several_files_names_them(tmp_path):
         load_split("train", [str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")], DataConfig())
 
 
-CORRUPT = {"jsonl": b'{"text": "cut short\n', "csv": b'text,label\n"unclosed,1\n', "tsv": b'text\tlabel\n"unclosed\t1\n',
-           "parquet": b"PAR1 not parquet at all"}
+CORRUPT = {
+    "jsonl": b'{"text": "cut short\n',
+    "csv": b'text,label\n"unclosed,1\n',
+    "tsv": b'text\tlabel\n"unclosed\t1\n',
+    "parquet": b"PAR1 not parquet at all",
+}
 
 
 @pytest.mark.parametrize("fmt", CORRUPT)

@@ -8,15 +8,15 @@ import uuid
 
 import pyarrow.parquet as pq
 import pytest
-from pydantic import ValidationError
-
 from conftest import BUCKET
+from pydantic import ValidationError
+from test_flow import params
+
 from flows.batch_infer import batch_infer
 from flows.finetune import finetune
 from tasks import storage
 from tasks.config import FinetuneParams
 from tasks.storage import CLAIM, MARKER, RunStore, UnsafeOutput
-from test_flow import params
 
 
 class Place:
@@ -63,8 +63,13 @@ def refused(place: Place, model: str, inputs: str, output: str, match: str) -> N
 
 def test_output_in_the_inputs_folder_is_refused_and_nothing_is_touched(corpus, tiny_model):
     reviews = corpus.uri("corpus/reviews.jsonl")
-    refused(corpus, str(tiny_model), reviews, corpus.uri("corpus"),
-            f"output {corpus.uri('corpus')} holds the input {reviews}: ftflow never writes where it reads")
+    refused(
+        corpus,
+        str(tiny_model),
+        reviews,
+        corpus.uri("corpus"),
+        f"output {corpus.uri('corpus')} holds the input {reviews}: ftflow never writes where it reads",
+    )
 
 
 def test_output_holding_the_input_further_down_is_refused(corpus, tiny_model):
@@ -73,14 +78,24 @@ def test_output_holding_the_input_further_down_is_refused(corpus, tiny_model):
 
 
 def test_output_inside_an_input_folder_is_refused(corpus, tiny_model):
-    refused(corpus, str(tiny_model), corpus.uri("corpus"), corpus.uri("corpus/labels"),
-            f"output {corpus.uri('corpus/labels')} is inside the input {corpus.uri('corpus')}")
+    refused(
+        corpus,
+        str(tiny_model),
+        corpus.uri("corpus"),
+        corpus.uri("corpus/labels"),
+        f"output {corpus.uri('corpus/labels')} is inside the input {corpus.uri('corpus')}",
+    )
 
 
 def test_output_folder_holding_someone_elses_files_is_refused(corpus, tiny_model):
     corpus.write("labels/README.md", b"a folder the user keeps their own labels in\n")
-    refused(corpus, str(tiny_model), corpus.uri("corpus/reviews.jsonl"), corpus.uri("labels"),
-            f"output {corpus.uri('labels')} holds {corpus.uri('labels/README.md')}, which ftflow did not write")
+    refused(
+        corpus,
+        str(tiny_model),
+        corpus.uri("corpus/reviews.jsonl"),
+        corpus.uri("labels"),
+        f"output {corpus.uri('labels')} holds {corpus.uri('labels/README.md')}, which ftflow did not write",
+    )
 
 
 def test_a_rerun_replaces_exactly_its_own_earlier_output(ray_cluster, tiny_model, tmp_path):
@@ -126,7 +141,9 @@ def test_a_run_folder_holding_someone_elses_files_is_refused(tiny_model, small_d
     user.write("runs/mine/thesis.tex", b"not ftflow's\n")
     before = user.snapshot()
     run = params(tiny_model, small_data, user.uri()).model_copy(update={"run_id": "mine"})
-    with pytest.raises(UnsafeOutput, match=f"run folder {user.uri('runs/mine')} holds {user.uri('runs/mine/thesis.tex')}"):
+    with pytest.raises(
+        UnsafeOutput, match=f"run folder {user.uri('runs/mine')} holds {user.uri('runs/mine/thesis.tex')}"
+    ):
         finetune(run)
     assert user.snapshot() == before
 

@@ -9,12 +9,12 @@ import uuid
 
 import pytest
 import yaml
+from conftest import FTFLOW
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.actions import WorkPoolCreate
 from prefect.exceptions import ObjectNotFound
 from prefect.settings import PREFECT_API_URL
 
-from conftest import FTFLOW
 from deployments.definitions import RETRAIN_CONFIG, deployments
 from tasks.train import TRAINING_TAG, train
 
@@ -25,16 +25,21 @@ def test_retraining_is_scheduled_with_the_files_parameters():
     assert (retrain.name, on_promotion.name, on_demand.name) == ("retrain", "on-promotion", "on-demand")
     schedule = retrain.schedules[0].schedule
     assert (schedule.cron, schedule.timezone) == (config["cron"], config["timezone"])
-    assert retrain.parameters == {"params": config["parameters"]}, "only what the file sets: the rest is filled where it runs"
+    assert retrain.parameters == {"params": config["parameters"]}, (
+        "only what the file sets: the rest is filled where it runs"
+    )
     assert not on_demand.schedules
     assert TRAINING_TAG in train.tags
 
 
-@pytest.mark.parametrize("path, value, message", [
-    (("parameters", "train", "epoch"), 3, "parameters.train: unknown parameter 'epoch': did you mean 'epochs'?"),
-    (("parameters", "train", "zero_stage"), 5, "parameters.train.zero_stage: Input should be 0, 1, 2 or 3"),
-    (("crom",), "0 3 * * 1", "unknown parameter 'crom': did you mean 'cron'?"),
-])
+@pytest.mark.parametrize(
+    "path, value, message",
+    [
+        (("parameters", "train", "epoch"), 3, "parameters.train: unknown parameter 'epoch': did you mean 'epochs'?"),
+        (("parameters", "train", "zero_stage"), 5, "parameters.train.zero_stage: Input should be 0, 1, 2 or 3"),
+        (("crom",), "0 3 * * 1", "unknown parameter 'crom': did you mean 'cron'?"),
+    ],
+)
 def test_a_bad_key_or_value_in_the_file_is_refused_before_serving_in_one_line(tmp_path, path, value, message):
     config = yaml.safe_load(RETRAIN_CONFIG.read_text())
     *parents, key = path
@@ -55,14 +60,24 @@ def test_ftflow_deploy_registers_them_with_a_work_pool_and_their_triggers():
     with get_client(sync_client=True) as client:
         client.create_work_pool(WorkPoolCreate(name=pool, type="process"))
         try:
-            run = subprocess.run([FTFLOW, "deploy", "--pool", pool], env={**os.environ, "PREFECT_API_URL": api},
-                                 capture_output=True, text=True, timeout=120)
+            run = subprocess.run(
+                [FTFLOW, "deploy", "--pool", pool],
+                env={**os.environ, "PREFECT_API_URL": api},
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
             assert run.returncode == 0, run.stdout + run.stderr
-            deployed = {name: client.read_deployment_by_name(name) for name in
-                        ("finetune/retrain", "batch_infer/on-promotion", "batch_infer/on-demand")}
+            deployed = {
+                name: client.read_deployment_by_name(name)
+                for name in ("finetune/retrain", "batch_infer/on-promotion", "batch_infer/on-demand")
+            }
             assert {deployment.work_pool_name for deployment in deployed.values()} == {pool}
-            triggers = {automation.name: automation for deployment in deployed.values()
-                        for automation in client.read_resource_related_automations(f"prefect.deployment.{deployment.id}")}
+            triggers = {
+                automation.name: automation
+                for deployment in deployed.values()
+                for automation in client.read_resource_related_automations(f"prefect.deployment.{deployment.id}")
+            }
             assert set(triggers) == {"new training data", "sentiment promoted"}
             assert client.read_concurrency_limit_by_tag(TRAINING_TAG).concurrency_limit == 1
         finally:

@@ -8,9 +8,18 @@ from tasks.first_token import FIRST_TOKEN_CLASSIFIERS, last_layer_at_first_token
 
 
 def tiny(model_type: str, dropout: float = 0.0) -> torch.nn.Module:
-    config = AutoConfig.for_model(model_type, vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                  intermediate_size=64, max_position_embeddings=64, num_labels=3,
-                                  hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
+    config = AutoConfig.for_model(
+        model_type,
+        vocab_size=100,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        num_labels=3,
+        hidden_dropout_prob=dropout,
+        attention_probs_dropout_prob=dropout,
+    )
     torch.manual_seed(0)
     return AutoModelForSequenceClassification.from_config(config, attn_implementation="sdpa")
 
@@ -19,7 +28,10 @@ def padded_batch() -> dict[str, torch.Tensor]:
     """Rows of 9, 5 and 2 tokens, padded to 9: the mask matters."""
     lengths = torch.tensor([9, 5, 2])
     mask = (torch.arange(9) < lengths[:, None]).long()
-    return {"input_ids": torch.randint(5, 100, (3, 9), generator=torch.Generator().manual_seed(1)) * mask, "attention_mask": mask}
+    return {
+        "input_ids": torch.randint(5, 100, (3, 9), generator=torch.Generator().manual_seed(1)) * mask,
+        "attention_mask": mask,
+    }
 
 
 @pytest.mark.parametrize("model_type", sorted(FIRST_TOKEN_CLASSIFIERS))
@@ -33,7 +45,7 @@ def test_the_first_token_layer_gives_the_whole_models_logits_and_gradients(model
         model.train()  # dropout 0: train mode, so that gradients can be compared
         model(**batch, labels=labels).loss.backward()
     torch.testing.assert_close(pruned(**batch).logits, whole(**batch).logits)
-    for (name, expected), (_, got) in zip(whole.named_parameters(), pruned.named_parameters()):
+    for (name, expected), (_, got) in zip(whole.named_parameters(), pruned.named_parameters(), strict=True):
         if expected.grad is None:
             assert got.grad is None, name
         else:

@@ -14,16 +14,26 @@ from pathlib import Path
 import psutil
 import pyarrow.parquet as pq
 import pytest
+from conftest import BUCKET, FTFLOW, S3_KEY, S3_SECRET, write_jsonl
 from PIL import Image
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import (ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterTaskRunId, ArtifactFilterType, LogFilter,
-                                            LogFilterFlowRunId, LogFilterTaskRunId, TaskRunFilter, TaskRunFilterName, TaskRunFilterState,
-                                            TaskRunFilterStateType)
+from prefect.client.schemas.filters import (
+    ArtifactFilter,
+    ArtifactFilterFlowRunId,
+    ArtifactFilterTaskRunId,
+    ArtifactFilterType,
+    LogFilter,
+    LogFilterFlowRunId,
+    LogFilterTaskRunId,
+    TaskRunFilter,
+    TaskRunFilterName,
+    TaskRunFilterState,
+    TaskRunFilterStateType,
+)
 from prefect.client.schemas.objects import StateType
+from test_train import kill_a_worker_once_a_checkpoint_is_committed
 from transformers import AutoModelForSequenceClassification
 
-from conftest import BUCKET, FTFLOW, S3_KEY, S3_SECRET, write_jsonl
-from test_train import kill_a_worker_once_a_checkpoint_is_committed
 from flows.finetune import finetune
 from tasks import storage
 from tasks.config import DataConfig, FinetuneParams, ModelConfig, TrainConfig
@@ -34,7 +44,9 @@ from tasks.storage import MARKER
 
 def params(tiny_model, data: dict, root: str) -> FinetuneParams:
     return FinetuneParams(
-        data=DataConfig(train_uri=str(data["train"]), validation_uri=str(data["validation"]), test_uri=str(data["test"])),
+        data=DataConfig(
+            train_uri=str(data["train"]), validation_uri=str(data["validation"]), test_uri=str(data["test"])
+        ),
         model=ModelConfig(name_or_path=str(tiny_model), max_length=64),
         # The randomly initialised tiny model learns from its second epoch on at 1e-3: test accuracy
         # 0.63-0.69 after 4 epochs over 5 inits (plain torch, one order); at 3e-3, 3 of 3 inits stayed at 0.5.
@@ -61,8 +73,14 @@ def check_run(run_dir: str, summary: dict, data: dict) -> dict:
     first, last = curve["train"][:3], curve["train"][-3:]
     assert sum(p["loss"] for p in last) < sum(p["loss"] for p in first) and sum(p["accuracy"] for p in last) / 3 > 0.6
     seconds = manifest["seconds"]
-    assert set(seconds) - {"start to first training step"} == {"tokenize", "train", "evaluate", "promote", "batch inference",
-                                                               "training's end to the report"}
+    assert set(seconds) - {"start to first training step"} == {
+        "tokenize",
+        "train",
+        "evaluate",
+        "promote",
+        "batch inference",
+        "training's end to the report",
+    }
     if "start to first training step" in seconds:  # absent when a re-run of a finished run trains nothing
         assert seconds["tokenize"] < seconds["start to first training step"] < seconds["tokenize"] + seconds["train"]
     after = seconds["evaluate"] + seconds["promote"] + seconds["batch inference"]
@@ -100,22 +118,35 @@ def check_report(run_dir: str, manifest: dict) -> None:
 
 def run_artifacts(flow_run_id) -> dict[str, object]:
     with get_client(sync_client=True) as client:
-        found = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
+        found = client.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]))
+        )
     return {a.key: a.data for a in found}
 
 
 def watch_training(seen: list[tuple[list[str], list[float]]], stop: threading.Event) -> None:
     """What the Prefect API shows while a `train` task runs: its log's step lines, its progress artifact."""
-    running = TaskRunFilter(name=TaskRunFilterName(like_="train"), state=TaskRunFilterState(type=TaskRunFilterStateType(any_=[StateType.RUNNING])))
+    running = TaskRunFilter(
+        name=TaskRunFilterName(like_="train"),
+        state=TaskRunFilterState(type=TaskRunFilterStateType(any_=[StateType.RUNNING])),
+    )
     with get_client(sync_client=True) as client:
         while not stop.wait(0.25):
             for task_run in client.read_task_runs(task_run_filter=running):
                 logs = client.read_logs(log_filter=LogFilter(task_run_id=LogFilterTaskRunId(any_=[task_run.id])))
-                progress = client.read_artifacts(artifact_filter=ArtifactFilter(task_run_id=ArtifactFilterTaskRunId(any_=[task_run.id]),
-                                                                                type=ArtifactFilterType(any_=["progress"])))
+                progress = client.read_artifacts(
+                    artifact_filter=ArtifactFilter(
+                        task_run_id=ArtifactFilterTaskRunId(any_=[task_run.id]),
+                        type=ArtifactFilterType(any_=["progress"]),
+                    )
+                )
                 if client.read_task_run(task_run.id).state.is_running():  # still, after both reads
-                    seen.append(([log.message for log in logs if re.match(r"train: \d+ / 256 steps, ", log.message)],
-                                 [artifact.data for artifact in progress]))
+                    seen.append(
+                        (
+                            [log.message for log in logs if re.match(r"train: \d+ / 256 steps, ", log.message)],
+                            [artifact.data for artifact in progress],
+                        )
+                    )
 
 
 def test_finetune_on_local_storage(ray_cluster, tiny_model, small_data, tmp_path):
@@ -138,9 +169,15 @@ def test_finetune_on_local_storage(ray_cluster, tiny_model, small_data, tmp_path
     # The UI's copy of the report carries its two plots inline: the UI cannot read the store.
     assert artifacts["run-report"].count("](data:image/png;base64,") == 2
     with get_client(sync_client=True) as client:
-        progress = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[state.state_details.flow_run_id]),
-                                                                        type=ArtifactFilterType(any_=["progress"])))
-    assert sorted(artifact.data for artifact in progress) == [100.0] * 3, "tokenization, training and batch inference, each done"
+        progress = client.read_artifacts(
+            artifact_filter=ArtifactFilter(
+                flow_run_id=ArtifactFilterFlowRunId(any_=[state.state_details.flow_run_id]),
+                type=ArtifactFilterType(any_=["progress"]),
+            )
+        )
+    assert sorted(artifact.data for artifact in progress) == [100.0] * 3, (
+        "tokenization, training and batch inference, each done"
+    )
 
 
 def test_finetune_on_s3_leaks_no_credential(ray_cluster, tiny_model, small_data, capfd):
@@ -161,14 +198,20 @@ def test_finetune_on_s3_leaks_no_credential(ray_cluster, tiny_model, small_data,
     stored = {key: fs.cat_file(key) for key in fs.find(path)}
     assert any("/train/" in key for key in stored) and any(key.endswith("manifest.json") for key in stored)
     with get_client(sync_client=True) as client:
-        logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[state.state_details.flow_run_id])))
+        logs = client.read_logs(
+            log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[state.state_details.flow_run_id]))
+        )
         flow_run = client.read_flow_run(state.state_details.flow_run_id)
     console = capfd.readouterr()
     ray_logs = {str(f): f.read_bytes() for f in Path("/tmp/ray/session_latest/logs").rglob("*") if f.is_file()}
-    places = {**stored, **ray_logs, "console": (console.out + console.err).encode(),
-              "Prefect logs": "\n".join(log.message for log in logs).encode(),
-              "Prefect artifacts": json.dumps(run_artifacts(state.state_details.flow_run_id), default=str).encode(),
-              "flow run parameters": json.dumps(flow_run.parameters, default=str).encode()}
+    places = {
+        **stored,
+        **ray_logs,
+        "console": (console.out + console.err).encode(),
+        "Prefect logs": "\n".join(log.message for log in logs).encode(),
+        "Prefect artifacts": json.dumps(run_artifacts(state.state_details.flow_run_id), default=str).encode(),
+        "flow run parameters": json.dumps(flow_run.parameters, default=str).encode(),
+    }
     assert logs and ray_logs and console.err
     for credential in (S3_KEY, S3_SECRET):
         leaks = [where for where, content in places.items() if credential.encode() in content]
@@ -188,8 +231,11 @@ def test_finetune_survives_s3_faults(faulty_s3, tiny_model, s3_data):
 @pytest.mark.parametrize("where", ["validation split", "files to label"])
 def test_bad_input_stops_the_flow_before_anything_is_written(tiny_model, small_data, tmp_path, where):
     bad = write_jsonl(tmp_path / "bad.jsonl", [{"review": "no text column", "label": 1}])
-    bad_params = params(tiny_model, {**small_data, "validation": bad} if where == "validation split" else small_data,
-                        str(tmp_path / "store"))
+    bad_params = params(
+        tiny_model,
+        {**small_data, "validation": bad} if where == "validation split" else small_data,
+        str(tmp_path / "store"),
+    )
     if where == "files to label":
         bad_params.inference.input_uri = str(bad)
     with pytest.raises(DataError, match=f"{bad}: column 'text' not found"):
@@ -200,7 +246,9 @@ def test_bad_input_stops_the_flow_before_anything_is_written(tiny_model, small_d
 def test_a_plan_the_cluster_cannot_run_is_refused_before_tokenizing(ray_cluster, tiny_model, small_data, tmp_path):
     too_many = params(tiny_model, small_data, str(tmp_path / "store"))
     too_many.train.num_workers = 64
-    with pytest.raises(ValueError, match="^num_workers=64 but the Ray cluster fits \\d+ .* and no autoscaler serves it to add nodes"):
+    with pytest.raises(
+        ValueError, match="^num_workers=64 but the Ray cluster fits \\d+ .* and no autoscaler serves it to add nodes"
+    ):
         finetune(too_many)
     assert not (tmp_path / "store").exists(), "nothing tokenized, nothing written"
 
@@ -208,19 +256,27 @@ def test_a_plan_the_cluster_cannot_run_is_refused_before_tokenizing(ray_cluster,
 def test_a_storage_root_in_a_bucket_that_does_not_exist_is_refused_not_created(tiny_model, small_data, s3_endpoint):
     import boto3
 
-    with pytest.raises(ValueError, match="^storage_root s3://no-such-bucket/ftflow: bucket 'no-such-bucket' does not exist"):
+    with pytest.raises(
+        ValueError, match="^storage_root s3://no-such-bucket/ftflow: bucket 'no-such-bucket' does not exist"
+    ):
         finetune(params(tiny_model, small_data, "s3://no-such-bucket/ftflow"))
     assert "no-such-bucket" not in [bucket["Name"] for bucket in boto3.client("s3").list_buckets()["Buckets"]]
 
 
-def test_a_flow_run_that_fails_mid_training_is_retried_and_resumes_in_the_same_run(ray_cluster, tiny_model, small_data, tmp_path):
+def test_a_flow_run_that_fails_mid_training_is_retried_and_resumes_in_the_same_run(
+    ray_cluster, tiny_model, small_data, tmp_path
+):
     """A worker killed with no restarts left fails the flow run; Prefect retries it (as a deployment's
     `retries` or the UI's Retry do), and the retry continues the same run folder from the last
     checkpoint: one run, one manifest, every step of the curve once."""
     run_params = params(tiny_model, small_data, str(tmp_path / "store"))
-    run_params.train = run_params.train.model_copy(update={"num_workers": 2, "checkpoint_every_steps": 10, "max_failures": 0})
+    run_params.train = run_params.train.model_copy(
+        update={"num_workers": 2, "checkpoint_every_steps": 10, "max_failures": 0}
+    )
     killed, stop = [], threading.Event()
-    killer = threading.Thread(target=kill_a_worker_once_a_checkpoint_is_committed, args=(tmp_path / "store" / "runs", killed, stop, "*"))
+    killer = threading.Thread(
+        target=kill_a_worker_once_a_checkpoint_is_committed, args=(tmp_path / "store" / "runs", killed, stop, "*")
+    )
     killer.start()
     try:
         state = finetune.with_options(retries=1)(run_params, return_state=True)
@@ -229,7 +285,9 @@ def test_a_flow_run_that_fails_mid_training_is_retried_and_resumes_in_the_same_r
         killer.join()
     assert killed and state.is_completed()
     with get_client(sync_client=True) as client:
-        assert client.read_flow_run(state.state_details.flow_run_id).run_count == 2, "the flow run failed once, then was retried"
+        assert client.read_flow_run(state.state_details.flow_run_id).run_count == 2, (
+            "the flow run failed once, then was retried"
+        )
     [run_dir] = (tmp_path / "store" / "runs").iterdir()
     manifest = check_run(str(run_dir), state.result(), small_data)
     assert manifest["metrics"]["training"]["history"][-1]["resumed_from_step"] > 0, "the retry trained from step 0"
@@ -250,21 +308,31 @@ def test_training_past_its_timeout_fails_and_frees_the_cluster(ray_cluster, tiny
     assert ray_cluster.available_resources().get("CPU") == ray_cluster.cluster_resources()["CPU"]
 
 
-def test_a_driver_killed_mid_training_leaves_no_process_and_the_run_resumes(ray_stopped, tiny_model, small_data, tmp_path):
+def test_a_driver_killed_mid_training_leaves_no_process_and_the_run_resumes(
+    ray_stopped, tiny_model, small_data, tmp_path
+):
     """`ftflow run` SIGKILLed once a checkpoint is committed: within 60 s none of its
     processes (its Prefect server, its Ray's, the watcher) is left; the same run_id again resumes."""
     run = params(tiny_model, small_data, str(tmp_path / "store")).model_copy(update={"run_id": "killed"})
     run.train = run.train.model_copy(update={"checkpoint_every_steps": 10})
     (tmp_path / "params.json").write_text(run.model_dump_json())
-    driver = subprocess.Popen([FTFLOW, "run", "--params", str(tmp_path / "params.json")],
-                              cwd=Path(__file__).parents[1], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    driver = subprocess.Popen(
+        [FTFLOW, "run", "--params", str(tmp_path / "params.json")],
+        cwd=Path(__file__).parents[1],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     snapshot = tmp_path / "store" / "runs" / "killed" / "train" / "ray" / "checkpoint_manager_snapshot.json"
     deadline = time.monotonic() + 300
     while not (snapshot.exists() and "checkpoint_dir_name" in snapshot.read_text()):
-        assert driver.poll() is None and time.monotonic() < deadline, "the run ended or took too long before its first checkpoint"
+        assert driver.poll() is None and time.monotonic() < deadline, (
+            "the run ended or took too long before its first checkpoint"
+        )
         time.sleep(0.1)
     started = psutil.Process(driver.pid).children(recursive=True)
-    assert any("raylet" in " ".join(p.cmdline()) for p in started) and any("uvicorn" in " ".join(p.cmdline()) for p in started)
+    assert any("raylet" in " ".join(p.cmdline()) for p in started) and any(
+        "uvicorn" in " ".join(p.cmdline()) for p in started
+    )
     driver.kill()
     driver.wait()
     _, left = psutil.wait_procs(started, timeout=60)

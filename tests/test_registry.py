@@ -9,21 +9,21 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
 import torch
+from conftest import BUCKET, free_port
 from mlflow import MlflowClient
 from prefect import flow
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, FlowRunFilter, FlowRunFilterId
+from test_flow import params
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from flows.batch_infer import batch_infer
 from flows.finetune import finetune
-from conftest import BUCKET, free_port
 from tasks import storage
 from tasks.config import DataConfig, FinetuneParams, PromotionConfig
 from tasks.data import load_splits
@@ -33,24 +33,28 @@ from tasks.registry import champion_pointer, resolve
 from tasks.report import summary as report_summary
 from tasks.storage import MARKER, RunStore
 from tasks.tracking import track
-from test_flow import params
 
 
 def test_a_model_that_loses_leaves_the_champion_untouched(ray_cluster, tiny_model, small_data, tmp_path):
     root = str(tmp_path / "store")
-    first = finetune(params(tiny_model, small_data, root).model_copy(update={"promotion": PromotionConfig(model_name="rt")}))
+    first = finetune(
+        params(tiny_model, small_data, root).model_copy(update={"promotion": PromotionConfig(model_name="rt")})
+    )
     pointer = champion_pointer(root, "rt")
     assert first["promoted"] and storage.read_json(pointer)["model_uri"] == f"{first['run_dir']}/model"
     before = storage.filesystem(pointer)[0].cat_file(pointer)
 
     # The same training again cannot beat the champion by a margin of 0.5: it must lose.
     losing = params(tiny_model, small_data, root).model_copy(
-        update={"promotion": PromotionConfig(model_name="rt", margin=0.5)})
+        update={"promotion": PromotionConfig(model_name="rt", margin=0.5)}
+    )
     second = finetune(losing)
     assert not second["promoted"]
     assert storage.filesystem(pointer)[0].cat_file(pointer) == before, "the champion pointer changed"
     decision = storage.read_json(storage.join(second["run_dir"], "manifest.json"))["metrics"]["promotion"]
-    assert decision["champion"] == pytest.approx(first["test_accuracy"]), "the champion is scored on the same test split"
+    assert decision["champion"] == pytest.approx(first["test_accuracy"]), (
+        "the champion is scored on the same test split"
+    )
     assert "< the champion's" in decision["reason"] and decision["previous_champion_uri"] == f"{first['run_dir']}/model"
     report = (tmp_path / "store" / "runs" / second["run_id"] / "report" / "report.md").read_text()
     assert f"Promotion: **not promoted: `rt`'s champion is unchanged** ({decision['reason']})" in report
@@ -61,10 +65,18 @@ def test_a_model_that_loses_leaves_the_champion_untouched(ray_cluster, tiny_mode
     assert set(runs) == {first["run_id"], second["run_id"]}
     for summary, promoted in ((first, "true"), (second, "false")):
         run = runs[summary["run_id"]]
-        assert run.data.metrics["test_accuracy"] == summary["test_accuracy"] and run.data.tags["ftflow.promoted"] == promoted
-        assert run.data.tags["ftflow.model_uri"] == f"{summary['run_dir']}/model" and run.data.params["promotion.margin"] in ("0.0", "0.5")
+        assert (
+            run.data.metrics["test_accuracy"] == summary["test_accuracy"]
+            and run.data.tags["ftflow.promoted"] == promoted
+        )
+        assert run.data.tags["ftflow.model_uri"] == f"{summary['run_dir']}/model" and run.data.params[
+            "promotion.margin"
+        ] in ("0.0", "0.5")
         assert [m.step for m in client.get_metric_history(run.info.run_id, "train_loss")] == list(range(10, 251, 10))
-        assert {a.path for a in client.list_artifacts(run.info.run_id, "report")} >= {"report/report.md", "report/training.png"}
+        assert {a.path for a in client.list_artifacts(run.info.run_id, "report")} >= {
+            "report/report.md",
+            "report/training.png",
+        }
     assert runs[second["run_id"]].data.tags["ftflow.promotion"] == decision["reason"]
 
     out = batch_infer("models/rt@champion", str(small_data["test"]), str(tmp_path / "labelled"), storage_root=root)
@@ -72,17 +84,26 @@ def test_a_model_that_loses_leaves_the_champion_untouched(ray_cluster, tiny_mode
     assert storage.read_json(str(tmp_path / "labelled" / MARKER))["model"]["uri"] == f"{first['run_dir']}/model"
 
 
-def test_the_champion_is_scored_again_only_on_a_test_split_other_than_its_own(ray_cluster, tiny_model, small_data, tmp_path):
+def test_the_champion_is_scored_again_only_on_a_test_split_other_than_its_own(
+    ray_cluster, tiny_model, small_data, tmp_path
+):
     """Its score recorded at promotion stands for the same rows read the same way; other rows, or the
     same bytes with other label names, score it again."""
     root, cfg = str(tmp_path / "store"), PromotionConfig(model_name="rt", min_score=0)  # made-up scores: no floor
-    splits = load_splits(DataConfig(train_uri=str(small_data["train"]), validation_uri=str(small_data["validation"]),
-                                    test_uri=str(small_data["test"])))
+    splits = load_splits(
+        DataConfig(
+            train_uri=str(small_data["train"]),
+            validation_uri=str(small_data["validation"]),
+            test_uri=str(small_data["test"]),
+        )
+    )
     promote(str(tiny_model), {"accuracy": 0.123}, splits["test"], cfg, root, "first")  # a score it never had: recorded
     assert promote("challenger", {"accuracy": 0.1}, splits["test"], cfg, root, "same")["champion"] == 0.123
     rescored = promote("challenger", {"accuracy": 0.1}, splits["validation"], cfg, root, "other")["champion"]
     assert rescored != 0.123 and 0 <= rescored <= 1
-    relabelled = dataclasses.replace(splits["test"], schema=dataclasses.replace(splits["test"].schema, label_names=("pos", "neg")))
+    relabelled = dataclasses.replace(
+        splits["test"], schema=dataclasses.replace(splits["test"].schema, label_names=("pos", "neg"))
+    )
     assert promote("challenger", {"accuracy": 0.1}, relabelled, cfg, root, "relabelled")["champion"] != 0.123
 
 
@@ -105,14 +126,19 @@ def test_a_model_that_predicts_one_class_is_not_promoted_even_to_an_empty_entry(
     assert not decision["promoted"] and not storage.exists(champion_pointer(root, "rt"))
     assert decision["reason"] == f"accuracy 0.5000 is not above the floor: {floor}" and decision["floor"] == floor
     [artifact] = artifacts_of(state.state_details.flow_run_id, "promotion")
-    assert f"not promoted: `rt`'s champion is unchanged ({decision['reason']})" in artifact and f"Floor: {floor}." in artifact
+    assert (
+        f"not promoted: `rt`'s champion is unchanged ({decision['reason']})" in artifact
+        and f"Floor: {floor}." in artifact
+    )
     assert f"Promotion floor: {floor}." in report_summary(metrics, decision)
     assert gate(PromotionConfig(model_name="rt", min_score=0.5))["promoted"], "an explicit floor is reached, not beaten"
 
 
 def one_class_model(model: Path, folder: Path) -> Path:
     """The model, with a classifier that says 'negative' whatever the text."""
-    one_class = AutoModelForSequenceClassification.from_pretrained(model, id2label=dict(enumerate(DataConfig().label_names)))
+    one_class = AutoModelForSequenceClassification.from_pretrained(
+        model, id2label=dict(enumerate(DataConfig().label_names))
+    )
     with torch.no_grad():
         one_class.classifier.weight.zero_()
         one_class.classifier.bias.copy_(torch.tensor([1.0, -1.0]))
@@ -123,24 +149,35 @@ def one_class_model(model: Path, folder: Path) -> Path:
 
 def artifacts_of(flow_run_id, key: str) -> list[str]:
     with get_client(sync_client=True) as client:
-        found = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])),
-                                      flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+        found = client.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])),
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])),
+        )
     return [artifact.data for artifact in found]
 
 
 def test_an_unknown_champion_is_refused_with_where_it_was_looked_for(tmp_path):
-    with pytest.raises(ValueError, match=f"^model_uri models/nobody@champion: the registry entry 'nobody' under {tmp_path} has "
-                                         f"no champion yet \\(no {tmp_path}/models/nobody/champion\\)"):
+    with pytest.raises(
+        ValueError,
+        match=f"^model_uri models/nobody@champion: the registry entry 'nobody' under {tmp_path} has "
+        f"no champion yet \\(no {tmp_path}/models/nobody/champion\\)",
+    ):
         resolve("models/nobody@champion", str(tmp_path))
     assert resolve(str(tmp_path / "a-model"), str(tmp_path)) == str(tmp_path / "a-model")
 
 
 @pytest.mark.parametrize("store", ["local", "s3"])
-def test_two_promotions_racing_from_the_same_champion_exactly_one_wins(store, ray_cluster, tiny_model, small_data, tmp_path,
-                                                                        monkeypatch):
+def test_two_promotions_racing_from_the_same_champion_exactly_one_wins(
+    store, ray_cluster, tiny_model, small_data, tmp_path, monkeypatch
+):
     root = str(tmp_path / "store") if store == "local" else f"s3://{BUCKET}/race-{uuid.uuid4().hex[:8]}"
-    test = load_splits(DataConfig(train_uri=str(small_data["train"]), validation_uri=str(small_data["validation"]),
-                                  test_uri=str(small_data["test"])))["test"]
+    test = load_splits(
+        DataConfig(
+            train_uri=str(small_data["train"]),
+            validation_uri=str(small_data["validation"]),
+            test_uri=str(small_data["test"]),
+        )
+    )["test"]
     cfg = PromotionConfig(model_name="rt", min_score=0)  # made-up scores: no floor
     assert promote(str(tiny_model), {"accuracy": 0.5}, test, cfg, root, "first")["promoted"]
     # Both challengers read the champion before either goes on: both compare with the same, soon stale,
@@ -155,8 +192,15 @@ def test_two_promotions_racing_from_the_same_champion_exactly_one_wins(store, ra
 
     monkeypatch.setattr(storage, "read_versioned_json", read_then_wait)
     with ThreadPoolExecutor(2) as pool:
-        decisions = dict(zip(["a", "b"], pool.map(lambda run: promote(f"{root}/runs/{run}/model", {"accuracy": 1.0}, test,
-                                                                      cfg, root, run), ["a", "b"])))
+        decisions = dict(
+            zip(
+                ["a", "b"],
+                pool.map(
+                    lambda run: promote(f"{root}/runs/{run}/model", {"accuracy": 1.0}, test, cfg, root, run), ["a", "b"]
+                ),
+                strict=True,
+            )
+        )
 
     winners = [run for run, decision in decisions.items() if decision["promoted"]]
     assert len(winners) == 1, decisions
@@ -164,8 +208,10 @@ def test_two_promotions_racing_from_the_same_champion_exactly_one_wins(store, ra
     assert champion["run_id"] == winners[0] and champion["model_uri"] == f"{root}/runs/{winners[0]}/model"
     loser = decisions[{"a": "b", "b": "a"}[winners[0]]]
     assert loser["previous_champion_uri"] == str(tiny_model) and loser["champion"] == decisions[winners[0]]["champion"]
-    assert loser["reason"].endswith(f"but while this run compared, run {winners[0]} made {champion['model_uri']} the "
-                                    f"champion (accuracy 1.0000); the next run compares with it")
+    assert loser["reason"].endswith(
+        f"but while this run compared, run {winners[0]} made {champion['model_uri']} the "
+        f"champion (accuracy 1.0000); the next run compares with it"
+    )
 
 
 def test_an_unreachable_tracking_server_is_a_warning_not_a_failure(tmp_path, monkeypatch, caplog):
@@ -173,8 +219,14 @@ def test_an_unreachable_tracking_server_is_a_warning_not_a_failure(tmp_path, mon
     port = free_port()
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://user:secret@127.0.0.1:{port}")
     store = RunStore(str(tmp_path), "r1")
-    results = {"test": {"accuracy": 0.5, "macro_f1": 0.5}, "promotion": {"promoted": False, "reason": "r"},
-               "training": {"curve": {"train": [], "validation": []}, "history": [{"samples_per_s": 1.0, "peak_memory_mb": 1.0}]}}
+    results = {
+        "test": {"accuracy": 0.5, "macro_f1": 0.5},
+        "promotion": {"promoted": False, "reason": "r"},
+        "training": {
+            "curve": {"train": [], "validation": []},
+            "history": [{"samples_per_s": 1.0, "peak_memory_mb": 1.0}],
+        },
+    }
 
     @flow
     def tracked_alone() -> str | None:
@@ -184,5 +236,7 @@ def test_an_unreachable_tracking_server_is_a_warning_not_a_failure(tmp_path, mon
     state = tracked_alone(return_state=True)
     assert state.is_completed() and state.result() is None and time.monotonic() - started < 60
     [warning] = [record for record in caplog.records if "MLflow" in record.getMessage()]
-    assert warning.levelname == "WARNING" and warning.getMessage().startswith(f"MLflow tracking at http://127.0.0.1:{port} failed, the run goes on: ")
+    assert warning.levelname == "WARNING" and warning.getMessage().startswith(
+        f"MLflow tracking at http://127.0.0.1:{port} failed, the run goes on: "
+    )
     assert "secret" not in warning.getMessage()

@@ -17,24 +17,34 @@ def caused_by(cause: BaseException, error: BaseException) -> BaseException:
     return error
 
 
-@pytest.mark.parametrize("error", [
-    ConnectionResetError(104, "Connection reset by peer"),
-    caused_by(EndpointConnectionError(endpoint_url="http://127.0.0.1:9"), RuntimeError("reading shards failed")),
-    OSError(5, "An error occurred (SlowDown) when calling the PutObject operation: Please reduce your request rate."),
-    caused_by(OSError(5, "An error occurred (InternalError) when calling the GetObject operation"), ValueError("x")),
-    ConnectionError("could not reach the Ray Job API at http://head:8265"),
-])
+@pytest.mark.parametrize(
+    "error",
+    [
+        ConnectionResetError(104, "Connection reset by peer"),
+        caused_by(EndpointConnectionError(endpoint_url="http://127.0.0.1:9"), RuntimeError("reading shards failed")),
+        OSError(
+            5, "An error occurred (SlowDown) when calling the PutObject operation: Please reduce your request rate."
+        ),
+        caused_by(
+            OSError(5, "An error occurred (InternalError) when calling the GetObject operation"), ValueError("x")
+        ),
+        ConnectionError("could not reach the Ray Job API at http://head:8265"),
+    ],
+)
 def test_a_transient_failure_is_retried(error):
     assert transient(error)
 
 
-@pytest.mark.parametrize("error", [
-    DataError("corpus/a.jsonl: column 'text' not found"),
-    FileNotFoundError(2, "No such file or directory", "corpus/500.jsonl"),
-    TaskRunTimeoutError("Scope timed out after 10 second(s)."),
-    caused_by(ConnectionResetError(), WorkerGroupError("training failed", {})),
-    RuntimeError("a bug"),
-    None,
-])
+@pytest.mark.parametrize(
+    "error",
+    [
+        DataError("corpus/a.jsonl: column 'text' not found"),
+        FileNotFoundError(2, "No such file or directory", "corpus/500.jsonl"),
+        TaskRunTimeoutError("Scope timed out after 10 second(s)."),
+        caused_by(ConnectionResetError(), WorkerGroupError("training failed", {})),
+        RuntimeError("a bug"),
+        None,
+    ],
+)
 def test_anything_else_fails_at_once(error):
     assert not transient(error)

@@ -17,14 +17,13 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import yaml
+from conftest import FTFLOW, free_port
 from playwright.sync_api import expect, sync_playwright
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterDeploymentId, FlowRunFilterId
 from prefect.deployments import run_deployment
-from prefect.states import Cancelling
 from prefect.settings import PREFECT_API_URL, temporary_settings
-
-from conftest import FTFLOW, free_port
+from prefect.states import Cancelling
 
 ROOT = Path(__file__).resolve().parents[1]
 SCREENSHOTS = Path(os.environ.get("FTFLOW_TEST_ARTIFACTS", ROOT / "test-artifacts"))
@@ -32,16 +31,20 @@ RUN_TIMEOUT_MS = 600_000
 
 
 def stack(command: str, env: dict[str, str]) -> subprocess.CompletedProcess:
-    return subprocess.run([FTFLOW, "stack", command], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run([FTFLOW, "stack", command], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
 @pytest.fixture
 def local_stack(tmp_path):
     """`make stack-up` on free ports with its state and artifacts under tmp_path; stopped after,
     checking that every process it started is gone."""
-    env = {**os.environ, "FTFLOW_STACK_DIR": str(tmp_path / "stack"), "FTFLOW_PREFECT_PORT": str(free_port()),
-           "FTFLOW_RAY_PORT": str(free_port()), "FTFLOW_STORAGE_ROOT": str(tmp_path / "store")}
+    env = {
+        **os.environ,
+        "FTFLOW_STACK_DIR": str(tmp_path / "stack"),
+        "FTFLOW_PREFECT_PORT": str(free_port()),
+        "FTFLOW_RAY_PORT": str(free_port()),
+        "FTFLOW_STORAGE_ROOT": str(tmp_path / "store"),
+    }
     started = stack("up", env)
     try:
         assert started.returncode == 0, started.stdout + started.stderr
@@ -53,17 +56,23 @@ def local_stack(tmp_path):
         assert not [pid for pid in pids if Path(f"/proc/{pid}").exists()], "stack-down left processes running"
 
 
-def test_a_run_triggered_from_the_ui_completes_with_its_artifacts_and_events_trigger_runs(local_stack, tiny_model, small_data,
-                                                                                           tmp_path):
+def test_a_run_triggered_from_the_ui_completes_with_its_artifacts_and_events_trigger_runs(
+    local_stack, tiny_model, small_data, tmp_path
+):
     """The UI run and one from the API (queued by the training limit); each promotion triggers the
     batch-inference deployment with the promoted model; a "new data" event triggers retraining on it."""
-    assert shutil.which("chromium"), "this test drives Debian's chromium: apt-get install chromium (make test does, as root)"
+    assert shutil.which("chromium"), (
+        "this test drives Debian's chromium: apt-get install chromium (make test does, as root)"
+    )
     ui = local_stack
     # A second training run at the same time, from the API: the concurrency limit must queue one.
     with temporary_settings({PREFECT_API_URL: f"{ui}/api"}):
         # One epoch of the tiny model may learn nothing: this run has no promotion floor, so one of the two is promoted.
-        other = run_deployment("finetune/retrain", parameters={"params": {"model": {"name_or_path": str(tiny_model)},
-                                                                          "promotion": {"min_score": 0}}}, timeout=0)
+        other = run_deployment(
+            "finetune/retrain",
+            parameters={"params": {"model": {"name_or_path": str(tiny_model)}, "promotion": {"min_score": 0}}},
+            timeout=0,
+        )
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=shutil.which("chromium"), args=["--no-sandbox"])
@@ -80,10 +89,14 @@ def test_a_run_triggered_from_the_ui_completes_with_its_artifacts_and_events_tri
     with temporary_settings({PREFECT_API_URL: f"{ui}/api"}), get_client(sync_client=True) as client:
         deployment = client.read_deployment_by_name("finetune/retrain")
         assert not deployment.paused and [s.active for s in deployment.schedules] == [True], "the schedule is active"
-        runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(deployment_id=FlowRunFilterDeploymentId(any_=[deployment.id])))
+        runs = client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(deployment_id=FlowRunFilterDeploymentId(any_=[deployment.id]))
+        )
         assert sorted(str(run.id) for run in runs) == sorted([from_ui_id, str(other.id)])
         from_ui = client.read_flow_run(from_ui_id)
-        assert from_ui.parameters["params"]["model"]["name_or_path"] == str(tiny_model), "the form's value reached the run"
+        assert from_ui.parameters["params"]["model"]["name_or_path"] == str(tiny_model), (
+            "the form's value reached the run"
+        )
         assert from_ui.state.is_completed()
         other = client.read_flow_run(other.id)
         for _ in range(RUN_TIMEOUT_MS // 2000):
@@ -93,8 +106,11 @@ def test_a_run_triggered_from_the_ui_completes_with_its_artifacts_and_events_tri
             other = client.read_flow_run(other.id)
         assert other.state.is_completed()
         both = FlowRunFilter(id=FlowRunFilterId(any_=[from_ui.id, other.id]))
-        trainings = sorted((t.start_time, t.end_time) for t in client.read_task_runs(flow_run_filter=both)
-                           if t.task_key.startswith("train"))
+        trainings = sorted(
+            (t.start_time, t.end_time)
+            for t in client.read_task_runs(flow_run_filter=both)
+            if t.task_key.startswith("train")
+        )
         assert len(trainings) == 2 and trainings[0][1] <= trainings[1][0], "two training runs overlapped"
         check_promotions_were_labelled(client, [from_ui, other], tmp_path / "store")
         check_new_data_starts_retraining(client, ui, small_data["train"])
@@ -102,7 +118,9 @@ def test_a_run_triggered_from_the_ui_completes_with_its_artifacts_and_events_tri
 
 def deployment_runs(client, name: str) -> list:
     deployment = client.read_deployment_by_name(name)
-    return client.read_flow_runs(flow_run_filter=FlowRunFilter(deployment_id=FlowRunFilterDeploymentId(any_=[deployment.id])))
+    return client.read_flow_runs(
+        flow_run_filter=FlowRunFilter(deployment_id=FlowRunFilterDeploymentId(any_=[deployment.id]))
+    )
 
 
 def final(client, run, timeout_s: float = RUN_TIMEOUT_MS / 1000):
@@ -115,10 +133,16 @@ def final(client, run, timeout_s: float = RUN_TIMEOUT_MS / 1000):
 
 def check_promotions_were_labelled(client, finetune_runs: list, store: Path) -> None:
     """Each promotion's event started batch_infer/on-promotion with the promoted model (relabel.yaml)."""
-    promoted = {run.id: json.loads((store / "runs" / name / "manifest.json").read_text())
-                for run in finetune_runs for name in [run_folder(store, run)]}
-    promoted = {run_id: manifest["outputs"]["model"] for run_id, manifest in promoted.items()
-                if manifest["metrics"]["promotion"]["promoted"]}
+    promoted = {
+        run.id: json.loads((store / "runs" / name / "manifest.json").read_text())
+        for run in finetune_runs
+        for name in [run_folder(store, run)]
+    }
+    promoted = {
+        run_id: manifest["outputs"]["model"]
+        for run_id, manifest in promoted.items()
+        if manifest["metrics"]["promotion"]["promoted"]
+    }
     assert promoted, "neither run was promoted: the one without a floor, first or second, is"
     for _ in range(60):  # the automation acts within seconds of the event
         labelling = {run.parameters["model_uri"]: run for run in deployment_runs(client, "batch_infer/on-promotion")}
@@ -126,7 +150,7 @@ def check_promotions_were_labelled(client, finetune_runs: list, store: Path) -> 
             break
         time.sleep(1)
     assert set(labelling) == set(promoted.values())
-    for model_uri, run in labelling.items():
+    for run in labelling.values():
         assert final(client, run).state.is_completed()
         labels = Path(run.parameters["output_uri"])
         assert labels.parent == store / "labels" / "sentiment" and pq.read_table(labels).num_rows == 1066
@@ -141,8 +165,13 @@ def run_folder(store: Path, run) -> str:
 def check_new_data_starts_retraining(client, ui: str, train_uri: Path) -> None:
     """`ftflow new-data` starts finetune/retrain with the event's train_uri over retrain.yaml's parameters; stopped then."""
     before = {run.id for run in deployment_runs(client, "finetune/retrain")}
-    told = subprocess.run([FTFLOW, "new-data", str(train_uri)], env={**os.environ, "PREFECT_API_URL": f"{ui}/api"},
-                          capture_output=True, text=True, timeout=60)
+    told = subprocess.run(
+        [FTFLOW, "new-data", str(train_uri)],
+        env={**os.environ, "PREFECT_API_URL": f"{ui}/api"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert told.returncode == 0, told.stderr
     for _ in range(60):
         [started] = [run for run in deployment_runs(client, "finetune/retrain") if run.id not in before] or [None]
@@ -151,7 +180,10 @@ def check_new_data_starts_retraining(client, ui: str, train_uri: Path) -> None:
         time.sleep(1)
     assert started, "the new-data event started no retraining run"
     assert started.parameters["params"]["data"]["train_uri"] == str(train_uri)
-    assert started.parameters["params"]["train"] == yaml.safe_load((ROOT / "deployments" / "retrain.yaml").read_text())["parameters"]["train"]
+    assert (
+        started.parameters["params"]["train"]
+        == yaml.safe_load((ROOT / "deployments" / "retrain.yaml").read_text())["parameters"]["train"]
+    )
     client.set_flow_run_state(started.id, Cancelling(), force=True)
     assert final(client, client.read_flow_run(started.id), 120).state.is_cancelled()
 
@@ -161,7 +193,9 @@ def the_other_run(ui: str, besides: str) -> str:
     with temporary_settings({PREFECT_API_URL: f"{ui}/api"}), get_client(sync_client=True) as client:
         deployment = client.read_deployment_by_name("finetune/retrain")
         for _ in range(60):
-            runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(deployment_id=FlowRunFilterDeploymentId(any_=[deployment.id])))
+            runs = client.read_flow_runs(
+                flow_run_filter=FlowRunFilter(deployment_id=FlowRunFilterDeploymentId(any_=[deployment.id]))
+            )
             others = [str(run.id) for run in runs if str(run.id) != besides]
             if others:
                 return others[0]
@@ -191,8 +225,16 @@ def run_from_the_ui(page, ui: str, tiny_model, besides: str) -> str:
     expect(state).to_have_text(re.compile("Completed|Failed|Crashed|Cancelled"), timeout=RUN_TIMEOUT_MS)
     expect(state).to_have_text("Completed")
     page.get_by_text("Artifacts", exact=True).click()
-    for key in ("run-report", "run-metrics", "test-metrics", "confusion-matrix", "promotion", "batch-inference-throughput",
-                "training-progress", "batch-inference-progress"):
+    for key in (
+        "run-report",
+        "run-metrics",
+        "test-metrics",
+        "confusion-matrix",
+        "promotion",
+        "batch-inference-throughput",
+        "training-progress",
+        "batch-inference-progress",
+    ):
         expect(page.get_by_text(key).first).to_be_visible()
     page.screenshot(path=SCREENSHOTS / "finetune-run-from-the-ui.png", full_page=True)
     open_the_report(page)
@@ -209,7 +251,9 @@ def open_the_report(page) -> None:
     page.get_by_text("run-report", exact=True).first.click()
     expect(page.get_by_role("heading", name="Metrics")).to_be_visible()
     # The UI's run keeps the default floor, which one epoch of the tiny model may not clear (accuracy 0.5000 seen).
-    decision = re.compile(r"Promotion: (promoted to champion of sentiment|not promoted: sentiment's champion is unchanged)")
+    decision = re.compile(
+        r"Promotion: (promoted to champion of sentiment|not promoted: sentiment's champion is unchanged)"
+    )
     expect(page.get_by_text("Promotion:").first).to_contain_text(decision)
     for name in ("loss and accuracy per step", "confusion matrix"):
         plot = page.get_by_role("img", name=name)

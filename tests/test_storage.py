@@ -6,8 +6,8 @@ import json
 import threading
 
 import pytest
-
 from conftest import free_port
+
 from tasks import storage
 
 
@@ -65,6 +65,9 @@ def test_an_object_store_that_cannot_be_reached_is_said_plainly(monkeypatch):
     monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "key")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "secret")
-    with pytest.raises(ValueError, match=f"^storage_root s3://somewhere/ftflow: the object store cannot be reached: "
-                                         f"Could not connect to the endpoint URL: \"{endpoint}/somewhere\"$"):
+    with pytest.raises(
+        ValueError,
+        match=f"^storage_root s3://somewhere/ftflow: the object store cannot be reached: "
+        f'Could not connect to the endpoint URL: "{endpoint}/somewhere"$',
+    ):
         storage.check_writable("s3://somewhere/ftflow", "storage_root")

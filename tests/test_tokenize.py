@@ -9,11 +9,13 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+from conftest import read_jsonl
 from prefect import flow, get_client
 from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
 from prefect.logging.handlers import APILogHandler
+from test_data import mixed_split
+from test_flow import params
 
-from conftest import read_jsonl
 from flows.finetune import finetune
 from tasks import cluster, data, storage
 from tasks.cluster import Resources
@@ -21,8 +23,6 @@ from tasks.config import DataConfig, TrainConfig
 from tasks.data import load_splits
 from tasks.storage import CLAIM, MARKER
 from tasks.tokenize import load_tokenizer, tokenize, tokenize_key
-from test_data import mixed_split
-from test_flow import params
 
 
 def splits_in(folder, small_data):
@@ -59,15 +59,19 @@ def test_same_content_elsewhere_hits_the_cache(ray_cluster, tiny_model, small_da
 def test_split_of_many_files_tokenizes_exactly_its_rows(ray_cluster, tiny_model, small_data, tmp_path, monkeypatch):
     monkeypatch.setattr(data, "PIECE_BYTES", 500)  # the JSONL file and the Parquet file in pieces too
     inputs, expected = mixed_split(tmp_path / "data", read_jsonl(small_data["train"]))
-    splits = load_splits(DataConfig(train_uri=inputs, validation_uri=[str(small_data["validation"])],
-                                    test_uri=str(small_data["test"])))
+    splits = load_splits(
+        DataConfig(train_uri=inputs, validation_uri=[str(small_data["validation"])], test_uri=str(small_data["test"]))
+    )
     tokenizer = load_tokenizer(str(tiny_model))
     uris = tokenize(tokenize_key(splits, tokenizer, 32, str(tmp_path / "store")), splits, str(tiny_model))
 
     table = pq.read_table(uris["train"]).sort_by("row")
     assert table["row"].to_pylist() == list(range(len(expected)))
     assert table["label"].to_pylist() == expected["label"].tolist()
-    assert table["input_ids"].to_pylist() == tokenizer(expected["text"].tolist(), truncation=True, max_length=32)["input_ids"]
+    assert (
+        table["input_ids"].to_pylist()
+        == tokenizer(expected["text"].tolist(), truncation=True, max_length=32)["input_ids"]
+    )
     assert len(splits["train"].pieces) > 4
     cpus = int(Resources.of_cluster().cpus)  # the CPUs ftflow's stages may take (one is Ray Data's)
     assert len(list(Path(uris["train"]).glob("*.parquet"))) == cpus, "the pieces shared out, a task per CPU"
@@ -79,7 +83,9 @@ def test_an_interrupted_attempt_is_replaced_and_complete_shards_reused(ray_clust
 
     @flow
     def tokenize_as_finetune_does():  # flows/finetune.py: the cache is trusted only where the marker is
-        return tokenize.with_options(refresh_cache=not key.shards_exist())(key, splits, str(tiny_model), return_state=True)
+        return tokenize.with_options(refresh_cache=not key.shards_exist())(
+            key, splits, str(tiny_model), return_state=True
+        )
 
     # A file changed after it was checked: the attempt fails mid-write, leaving its claim, no marker.
     test_file = Path(splits["test"].uris[0])
@@ -106,20 +112,30 @@ def test_an_interrupted_attempt_is_replaced_and_complete_shards_reused(ray_clust
         return tokenize.with_options(refresh_cache=True)(key, splits, str(tiny_model))
 
     assert tokenize_without_the_cache_entry() == again.result()
-    assert {f: (Path(key.target) / f).stat().st_mtime_ns for f in storage.OutputFolder(key.target).files() - {MARKER}} == stamps
+    assert {
+        f: (Path(key.target) / f).stat().st_mtime_ns for f in storage.OutputFolder(key.target).files() - {MARKER}
+    } == stamps
 
 
 def prefect_messages(flow_run_id) -> list[str]:
     APILogHandler().flush()  # log records are shipped in the background
     with get_client(sync_client=True) as client:
-        return [log.message for log in client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))]
+        return [
+            log.message
+            for log in client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
+        ]
 
 
 def test_two_runs_started_at_once_on_the_same_data_write_one_shard_set_and_both_train_on_it(
-        ray_cluster, tiny_model, small_data, tmp_path, monkeypatch):
+    ray_cluster, tiny_model, small_data, tmp_path, monkeypatch
+):
     root = str(tmp_path / "store")
-    runs = [params(tiny_model, small_data, root).model_copy(
-        update={"run_id": run_id, "train": TrainConfig(epochs=1, batch_size=32, max_steps=2)}) for run_id in ("a", "b")]
+    runs = [
+        params(tiny_model, small_data, root).model_copy(
+            update={"run_id": run_id, "train": TrainConfig(epochs=1, batch_size=32, max_steps=2)}
+        )
+        for run_id in ("a", "b")
+    ]
     # Both runs have checked their inputs, and found no shards, before either starts tokenizing.
     both_checked, refuse_local_paths = threading.Barrier(2), cluster.refuse_local_paths
 
@@ -141,16 +157,24 @@ def test_two_runs_started_at_once_on_the_same_data_write_one_shard_set_and_both_
     assert storage.OutputFolder(str(shard_set)).files() == {*marker["files"], MARKER}, "one whole set, nothing else"
     for summary in summaries:
         manifest = storage.read_json(storage.join(summary["run_dir"], "manifest.json"))
-        assert manifest["outputs"]["tokenized"] == {name: str(shard_set / name) for name in ("train", "validation", "test")}
+        assert manifest["outputs"]["tokenized"] == {
+            name: str(shard_set / name) for name in ("train", "validation", "test")
+        }
         assert manifest["metrics"]["training"]["history"][-1]["step"] == 2
 
 
-@pytest.mark.parametrize("given, message", [
-    ("{tmp}/nowhere", "model.name_or_path {tmp}/nowhere: no such folder"),
-    ("{tmp}", "model.name_or_path {tmp}: a folder without config.json, not a saved Hugging Face model"),
-    ("ftflow-test/not-a-model", "model.name_or_path ftflow-test/not-a-model: not a folder here, and the Hugging Face hub does "
-                                "not resolve it (HF_HUB_OFFLINE is set: nothing is downloaded): "),
-])
+@pytest.mark.parametrize(
+    "given, message",
+    [
+        ("{tmp}/nowhere", "model.name_or_path {tmp}/nowhere: no such folder"),
+        ("{tmp}", "model.name_or_path {tmp}: a folder without config.json, not a saved Hugging Face model"),
+        (
+            "ftflow-test/not-a-model",
+            "model.name_or_path ftflow-test/not-a-model: not a folder here, and the Hugging Face hub does "
+            "not resolve it (HF_HUB_OFFLINE is set: nothing is downloaded): ",
+        ),
+    ],
+)
 def test_a_model_that_is_not_there_is_said_plainly(tmp_path, given, message):
     with pytest.raises(ValueError) as refused:
         load_tokenizer(given.format(tmp=tmp_path))

@@ -16,15 +16,14 @@ import psutil
 import pyarrow.parquet as pq
 import pytest
 import torch
+from conftest import read_jsonl, write_jsonl
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, BertConfig, BertForSequenceClassification
 
-from conftest import read_jsonl, write_jsonl
 from tasks.config import DataConfig, ModelConfig, TrainConfig
 from tasks.data import load_splits
-from tasks.tokenize import load_tokenizer, tokenize, tokenize_key
-from tasks.train import train
 from tasks.predictor import padded
-from tasks.train import FAULT
+from tasks.tokenize import load_tokenizer, tokenize, tokenize_key
+from tasks.train import FAULT, train
 from tasks.train_worker import STATE_FILE, EpochRecord, Fault, Result
 
 LABELS = ["negative", "positive"]
@@ -33,8 +32,13 @@ LABELS = ["negative", "positive"]
 @pytest.fixture(scope="module")
 def tokenized(ray_cluster, tiny_model, small_data, tmp_path_factory):
     root = str(tmp_path_factory.mktemp("train-store"))
-    splits = load_splits(DataConfig(train_uri=str(small_data["train"]), validation_uri=str(small_data["validation"]),
-                                    test_uri=str(small_data["test"])))
+    splits = load_splits(
+        DataConfig(
+            train_uri=str(small_data["train"]),
+            validation_uri=str(small_data["validation"]),
+            test_uri=str(small_data["test"]),
+        )
+    )
     key = tokenize_key(splits, load_tokenizer(str(tiny_model)), 64, root)
     return root, tokenize(key, splits, str(tiny_model))
 
@@ -55,7 +59,9 @@ def logits_of(model_dir: Path, rows: list[dict]) -> torch.Tensor:
     return torch.cat(logits)
 
 
-def assert_model_is_the_trained_engine(model_dir: Path, uris: dict, history: list[EpochRecord], tie: float = 1e-4) -> None:
+def assert_model_is_the_trained_engine(
+    model_dir: Path, uris: dict, history: list[EpochRecord], tie: float = 1e-4
+) -> None:
     """The exported folder is complete, reloads, and predicts the validation split as the engine did."""
     assert {"config.json", "model.safetensors", "tokenizer.json", STATE_FILE} <= {p.name for p in model_dir.iterdir()}
     engine_predictions = json.loads((model_dir / STATE_FILE).read_text())["validation_predictions"]
@@ -66,7 +72,7 @@ def assert_model_is_the_trained_engine(model_dir: Path, uris: dict, history: lis
     assert len(reloaded) == len(engine_predictions) == 128
     # Only a tie within rounding noise (`tie`) may flip a label between the engine and the reloaded weights.
     assert all(margins[i] < tie for i in range(len(rows)) if reloaded[i] != engine_predictions[i])
-    accuracy = sum(p == r["label"] for p, r in zip(reloaded, rows)) / len(rows)
+    accuracy = sum(p == r["label"] for p, r in zip(reloaded, rows, strict=True)) / len(rows)
     assert accuracy == pytest.approx(history[-1].val_accuracy, abs=1 / len(rows))
 
 
@@ -83,7 +89,12 @@ STRATEGIES = {
     "zero2-bf16": {"zero_stage": 2, "precision": "bf16"},
     "zero3-bf16": {"zero_stage": 3, "precision": "bf16"},
     # the large-model path, proven small: everything that saves memory at once
-    "zero3-offload-ckpt": {"zero_stage": 3, "offload_params": True, "offload_optimizer": True, "activation_checkpointing": True},
+    "zero3-offload-ckpt": {
+        "zero_stage": 3,
+        "offload_params": True,
+        "offload_optimizer": True,
+        "activation_checkpointing": True,
+    },
     # tensor parallelism: the encoder layers split across 2 workers; then 2 such groups as data-parallel replicas under ZeRO-3
     "tp2": {"tensor_parallel_size": 2},
     "tp2-dp2-zero3": {"tensor_parallel_size": 2, "num_workers": 4, "cpus_per_worker": 0.5, "zero_stage": 3},
@@ -97,7 +108,9 @@ STRATEGIES = {
 def test_exported_model_predicts_like_the_engine_at_end_of_training(strategy, tokenized, tiny_model):
     root, uris = tokenized
     run_dir = Path(root) / "runs" / strategy
-    cfg = TrainConfig(**{"epochs": 1, "batch_size": 16, "learning_rate": 2e-3, "num_workers": 2, **STRATEGIES[strategy]})
+    cfg = TrainConfig(
+        **{"epochs": 1, "batch_size": 16, "learning_rate": 2e-3, "num_workers": 2, **STRATEGIES[strategy]}
+    )
     result = fit(uris, tiny_model, cfg, run_dir)
     history = result.history
 
@@ -106,8 +119,10 @@ def test_exported_model_predicts_like_the_engine_at_end_of_training(strategy, to
 
     initial = AutoModelForSequenceClassification.from_pretrained(tiny_model).state_dict()
     trained = AutoModelForSequenceClassification.from_pretrained(model_dir).state_dict()
-    assert not torch.equal(initial["bert.encoder.layer.0.attention.self.query.weight"],
-                           trained["bert.encoder.layer.0.attention.self.query.weight"])
+    assert not torch.equal(
+        initial["bert.encoder.layer.0.attention.self.query.weight"],
+        trained["bert.encoder.layer.0.attention.self.query.weight"],
+    )
     exported = AutoModelForSequenceClassification.from_pretrained(model_dir)
     assert exported.config.id2label == dict(enumerate(LABELS))
     assert exported.dtype == torch.float32  # whatever the engine's precision: a bf16 model on a CPU is 2.4x slower
@@ -116,17 +131,23 @@ def test_exported_model_predicts_like_the_engine_at_end_of_training(strategy, to
         # or 1/pp of the layers, and ZeRO-3 partitions that again over the data-parallel replicas.
         layers = AutoModelForSequenceClassification.from_pretrained(tiny_model).bert.encoder.layer
         parts = split * (cfg.num_workers // split if cfg.zero_stage == 3 else 1)
-        assert result.layer_parameter_mb * 2**20 == pytest.approx(sum(p.numel() * 4 for p in layers.parameters()) / parts, rel=0.02)
+        assert result.layer_parameter_mb * 2**20 == pytest.approx(
+            sum(p.numel() * 4 for p in layers.parameters()) / parts, rel=0.02
+        )
 
 
-def kill_a_worker_once_a_checkpoint_is_committed(run_dir: Path, killed: list[int], stop: threading.Event, run: str = ".") -> None:
+def kill_a_worker_once_a_checkpoint_is_committed(
+    run_dir: Path, killed: list[int], stop: threading.Event, run: str = "."
+) -> None:
     """Kill one training worker once Ray Train's snapshot (of the run folder `run`, a glob, under
     run_dir) lists a checkpoint: a folder that is still uploading, or not yet registered by the
     controller, is not a checkpoint to resume from."""
     while not stop.is_set():
         snapshot = next(run_dir.glob(f"{run}/train/ray/checkpoint_manager_snapshot.json"), None)
         if snapshot and "checkpoint_dir_name" in snapshot.read_text():
-            workers = [p for p in psutil.process_iter(["cmdline"]) if "RayTrainWorker" in " ".join(p.info["cmdline"] or [])]
+            workers = [
+                p for p in psutil.process_iter(["cmdline"]) if "RayTrainWorker" in " ".join(p.info["cmdline"] or [])
+            ]
             if workers:
                 workers[-1].kill()
                 killed.append(workers[-1].pid)
@@ -137,7 +158,9 @@ def kill_a_worker_once_a_checkpoint_is_committed(run_dir: Path, killed: list[int
 def test_killed_worker_resumes_from_the_last_checkpoint(tokenized, tiny_model):
     root, uris = tokenized
     run_dir = Path(root) / "runs" / "killed"
-    cfg = TrainConfig(epochs=3, batch_size=16, learning_rate=2e-3, num_workers=2, checkpoint_every_steps=10, max_failures=1)
+    cfg = TrainConfig(
+        epochs=3, batch_size=16, learning_rate=2e-3, num_workers=2, checkpoint_every_steps=10, max_failures=1
+    )
     killed, stop = [], threading.Event()
     killer = threading.Thread(target=kill_a_worker_once_a_checkpoint_is_committed, args=(run_dir, killed, stop))
     killer.start()
@@ -183,8 +206,11 @@ def test_a_failed_worker_is_said_at_once_and_retried_from_its_checkpoint(tokeniz
     trained = fit(uris, tiny_model, cfg, Path(root) / "runs" / "failed-once")
 
     [(at, level, line)] = [record for record in said if "failed" in record[2]]
-    raised_at = re.fullmatch(r"training worker 1 failed at step 15 \(training\): RuntimeError: injected fault at step 15, at ([\d.]+); "
-                             r"retrying from step 10, attempt 2 of 2", line)
+    raised_at = re.fullmatch(
+        r"training worker 1 failed at step 15 \(training\): RuntimeError: injected fault at step 15, at ([\d.]+); "
+        r"retrying from step 10, attempt 2 of 2",
+        line,
+    )
     assert level == logging.WARNING and raised_at, line
     assert at - float(raised_at[1]) < 10
     assert any(message.startswith("rank 0: resumed from the checkpoint at step 10") for _, _, message in said)
@@ -199,8 +225,15 @@ def test_the_last_failed_attempt_fails_with_the_workers_own_exception(tokenized,
         fit(uris, tiny_model, cfg, Path(root) / "runs" / "failed")
     assert re.fullmatch(r"injected fault at step 3, at [\d.]+", str(failed.value))
     assert [message for _, _, message in said if "failed" in message] == [
-        next(message for _, _, message in said if message.startswith("training worker 0 failed at step 3 (training): RuntimeError: "
-                                                                      "injected fault at step 3") and message.endswith("; no attempt left of 1: training fails"))]
+        next(
+            message
+            for _, _, message in said
+            if message.startswith(
+                "training worker 0 failed at step 3 (training): RuntimeError: injected fault at step 3"
+            )
+            and message.endswith("; no attempt left of 1: training fails")
+        )
+    ]
 
 
 def test_a_stalled_run_writes_a_stall_report_and_says_where_it_is(tokenized, tiny_model, monkeypatch, said):
@@ -213,12 +246,20 @@ def test_a_stalled_run_writes_a_stall_report_and_says_where_it_is(tokenized, tin
     trained = fit(uris, tiny_model, cfg, run_dir)
 
     # (Workers slower to start than stall_warning_s, as here, have a report of their own.)
-    [line] = [message for _, level, message in said if level == logging.WARNING and "no progress" in message and "'training'" in message]
-    assert re.match(r"training has shown no progress for \d+ s: rank [01] is in 'training' at step 5, top frame \S+ ", line), line
+    [line] = [
+        message
+        for _, level, message in said
+        if level == logging.WARNING and "no progress" in message and "'training'" in message
+    ]
+    assert re.match(
+        r"training has shown no progress for \d+ s: rank [01] is in 'training' at step 5, top frame \S+ ", line
+    ), line
     report = Path(re.search(r"stall report: (\S+) ", line)[1])
     assert report.parent == run_dir / "stall"
     stacks = {path.name: path.read_text() for path in report.rglob("*") if path.is_file()}
-    assert any("injected" in text for name, text in stacks.items() if "rank 0" in name or "rank-0" in name), sorted(stacks)
+    assert any("injected" in text for name, text in stacks.items() if "rank 0" in name or "rank-0" in name), sorted(
+        stacks
+    )
     assert any("rank 1" in name or "rank-1" in name for name in stacks), sorted(stacks)
     assert trained.history[-1].step == 10
 
@@ -243,8 +284,15 @@ def test_max_steps_bounds_a_run_and_a_rerun_continues_it(tokenized, tiny_model):
 def test_evaluating_more_often_trains_the_same_model(tokenized, tiny_model, tmp_path):
     """Evaluation cadence is a reporting choice: it must not change the dropout masks of the steps after it."""
     root, uris = tokenized
-    runs = {every: fit(uris, tiny_model, TrainConfig(epochs=1, batch_size=16, num_workers=2, eval_every_steps=every),
-                       tmp_path / f"every-{every}") for every in (0, 40)}
+    runs = {
+        every: fit(
+            uris,
+            tiny_model,
+            TrainConfig(epochs=1, batch_size=16, num_workers=2, eval_every_steps=every),
+            tmp_path / f"every-{every}",
+        )
+        for every in (0, 40)
+    }
     assert [p.step for p in runs[40].curve.validation] == [40, 80, 120, 128]
     assert runs[40].curve.train == runs[0].curve.train
     assert runs[40].curve.validation[-1] == runs[0].curve.validation[-1]
@@ -256,8 +304,14 @@ def wide_model(tiny_model, tmp_path_factory) -> Path:
     model state, not the Python and torch runtime, decides a worker's memory."""
     folder = tmp_path_factory.mktemp("wide-bert")
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
-    config = BertConfig(vocab_size=tokenizer.vocab_size, hidden_size=512, num_hidden_layers=8, num_attention_heads=8,
-                        intermediate_size=2048, num_labels=2)
+    config = BertConfig(
+        vocab_size=tokenizer.vocab_size,
+        hidden_size=512,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        intermediate_size=2048,
+        num_labels=2,
+    )
     BertForSequenceClassification(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
@@ -265,11 +319,13 @@ def wide_model(tiny_model, tmp_path_factory) -> Path:
 
 def test_zero3_holds_less_memory_per_worker_than_zero0(wide_model, small_data, tmp_path):
     rows = {split: read_jsonl(small_data[split]) for split in ("train", "validation")}
-    splits = load_splits(DataConfig(
-        train_uri=str(write_jsonl(tmp_path / "train.jsonl", rows["train"][::32])),  # 64 rows: 4 steps
-        validation_uri=str(write_jsonl(tmp_path / "validation.jsonl", rows["validation"][::8])),
-        test_uri=str(small_data["test"]),
-    ))
+    splits = load_splits(
+        DataConfig(
+            train_uri=str(write_jsonl(tmp_path / "train.jsonl", rows["train"][::32])),  # 64 rows: 4 steps
+            validation_uri=str(write_jsonl(tmp_path / "validation.jsonl", rows["validation"][::8])),
+            test_uri=str(small_data["test"]),
+        )
+    )
     uris = tokenize(tokenize_key(splits, load_tokenizer(str(wide_model)), 64, str(tmp_path)), splits, str(wide_model))
     peak = {}
     for stage in (0, 3):
@@ -303,8 +359,13 @@ def test_tensor_parallel_groups_are_placed_within_a_node(tokenized, tiny_model, 
     """4 workers of 1 CPU as 2 tensor-parallel groups: Ray's packing alone put 3 on the 3-CPU node and
     one elsewhere, so one group spanned two nodes; placed, each group is on a node of its own."""
     _, uris = tokenized
-    run = subprocess.run([sys.executable, "-c", ON_THREE_NODES, json.dumps(uris), str(tiny_model), str(tmp_path / "run")],
-                         cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=600)
+    run = subprocess.run(
+        [sys.executable, "-c", ON_THREE_NODES, json.dumps(uris), str(tiny_model), str(tmp_path / "run")],
+        cwd=Path(__file__).parents[1],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     node_cpus = json.loads(run.stdout.splitlines()[-1])  # the CPUs of each rank's node
     assert node_cpus in ([3, 3, 2, 2], [2, 2, 3, 3]), node_cpus
@@ -325,4 +386,9 @@ def test_strategy_auto_picks_by_the_memory_a_worker_has(tokenized, tiny_model):
     assert tight.settings != ample.settings and tight.need_gb <= tight.budget_gb < ample.need_gb
     assert "the faster need more (data parallel (ZeRO-0) ~" in tight.reason
     with pytest.raises(ValueError, match="train.strategy=auto: no strategy fits a worker; the closest, .* needs ~0.6"):
-        fit(uris, tiny_model, TrainConfig(strategy="auto", memory_per_worker_gb=0.1, num_workers=2), Path(root) / "runs" / "auto-none")
+        fit(
+            uris,
+            tiny_model,
+            TrainConfig(strategy="auto", memory_per_worker_gb=0.1, num_workers=2),
+            Path(root) / "runs" / "auto-none",
+        )

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 from pydantic import ValidationError
-
-from tasks.cluster import Resources
 from transformers import BertConfig, DistilBertConfig
 
+from tasks.cluster import Resources
 from tasks.config import ModelConfig, TrainConfig
 from tasks.train import check_parallelism, deepspeed_config, plan
 
@@ -19,9 +18,22 @@ GPUS_ON_DEMAND = Resources(cpus=0, gpus=0, node_cpus=0, can_grow=True)
 def test_defaults_fit_the_machine_with_no_accumulation():
     """One worker with every CPU on one machine (no all-reduce); one worker per CPU on several nodes."""
     p = plan(TrainConfig(), LAPTOP)
-    assert (p.workers, p.cpus_per_worker, p.micro_batch, p.accumulation, p.use_gpu, p.precision) == (1, 2, 32, 1, False, "fp32")
-    assert p.describe(TrainConfig()) == "1 CPU worker(s) of 2 CPU x micro-batch 32 x accumulation 1 = global batch 32, ZeRO-0, fp32"
-    assert (plan(TrainConfig(num_workers=2), LAPTOP).cpus_per_worker, plan(TrainConfig(cpus_per_worker=0.5), LAPTOP).workers) == (1, 4)
+    assert (p.workers, p.cpus_per_worker, p.micro_batch, p.accumulation, p.use_gpu, p.precision) == (
+        1,
+        2,
+        32,
+        1,
+        False,
+        "fp32",
+    )
+    assert (
+        p.describe(TrainConfig())
+        == "1 CPU worker(s) of 2 CPU x micro-batch 32 x accumulation 1 = global batch 32, ZeRO-0, fp32"
+    )
+    assert (
+        plan(TrainConfig(num_workers=2), LAPTOP).cpus_per_worker,
+        plan(TrainConfig(cpus_per_worker=0.5), LAPTOP).workers,
+    ) == (1, 4)
     two_nodes = plan(TrainConfig(), Resources(cpus=16, gpus=0, node_cpus=8))
     assert (two_nodes.workers, two_nodes.cpus_per_worker, two_nodes.micro_batch) == (16, 1, 2)
 
@@ -44,14 +56,26 @@ def test_gpu_cluster_gets_one_worker_per_gpu_and_mixed_precision():
 @pytest.mark.parametrize(
     ("cfg", "resources", "message"),
     [
-        (TrainConfig(batch_size=20, num_workers=2, micro_batch_size=4), LAPTOP, "batch_size=20 is not divisible by 2 workers x micro_batch_size=4; use a batch_size that is a multiple of 8"),
-        (TrainConfig(num_workers=4), LAPTOP, r"num_workers=4 but the Ray cluster fits 2 \(2 CPUs at 1 per worker\), and no autoscaler"),
+        (
+            TrainConfig(batch_size=20, num_workers=2, micro_batch_size=4),
+            LAPTOP,
+            "batch_size=20 is not divisible by 2 workers x micro_batch_size=4; use a batch_size that is a multiple of 8",
+        ),
+        (
+            TrainConfig(num_workers=4),
+            LAPTOP,
+            r"num_workers=4 but the Ray cluster fits 2 \(2 CPUs at 1 per worker\), and no autoscaler",
+        ),
         (TrainConfig(device="gpu"), LAPTOP, "device=gpu but the Ray cluster has no GPU, and no autoscaler to add one"),
         (TrainConfig(precision="fp16"), LAPTOP, "precision=fp16 needs a GPU and this run trains on CPUs"),
         (TrainConfig(activation_offload=True), LAPTOP, "activation_offload moves GPU activations"),
         (TrainConfig(num_workers=3), GPU_NODE, r"num_workers=3 but the Ray cluster fits 2 \(2 GPUs\)"),
-        (TrainConfig(num_workers=3, tensor_parallel_size=2, cpus_per_worker=0.5), LAPTOP,
-         "num_workers=3 is not a multiple of tensor_parallel_size=2: the workers are groups of 2 that hold one copy of the model; use num_workers=2 or 4"),
+        (
+            TrainConfig(num_workers=3, tensor_parallel_size=2, cpus_per_worker=0.5),
+            LAPTOP,
+            "num_workers=3 is not a multiple of tensor_parallel_size=2: the workers are groups of 2 that hold one copy of the model; "
+            "use num_workers=2 or 4",
+        ),
     ],
 )
 def test_what_cannot_run_here_is_refused_with_what_to_change(cfg, resources, message):
@@ -65,7 +89,9 @@ def test_a_cluster_that_grows_is_asked_for_what_the_config_says():
     assert (p.workers, p.micro_batch, p.use_gpu, p.precision) == (4, 16, True, "auto")
     assert plan(TrainConfig(), GPUS_ON_DEMAND).workers == 1, "by default, what fits now (at least one)"
     assert GPUS_ON_DEMAND.inference_actors(3, use_gpu=True) == (3, 1.0, 1)
-    assert GPUS_ON_DEMAND.inference_actors(2, use_gpu=False) == (2, 1.0, 0), "CPU actors on nodes yet to come: one CPU each"
+    assert GPUS_ON_DEMAND.inference_actors(2, use_gpu=False) == (2, 1.0, 0), (
+        "CPU actors on nodes yet to come: one CPU each"
+    )
     grown = Resources(cpus=8, gpus=0, node_cpus=3, can_grow=True)  # three 3-CPU nodes up, less Ray Data's CPU
     assert grown.inference_actors(2, use_gpu=False) == (2, 3.0, 0), "no larger than a node holds"
     assert LAPTOP.inference_actors(None, use_gpu=False) == (2, 1.0, 0), "a CPU each, reading and writing its own parts"
@@ -79,8 +105,14 @@ def test_a_cluster_that_grows_is_asked_for_what_the_config_says():
         ({"offload_params": True, "zero_stage": 2}, "offload_params needs zero_stage=3"),
         ({"offload_optimizer": True, "zero_stage": 0}, "offload_optimizer needs zero_stage 1, 2 or 3"),
         ({"batch_size": 30, "micro_batch_size": 8}, "batch_size=30 is not a multiple of micro_batch_size=8"),
-        ({"pipeline_parallel_size": 2, "zero_stage": 2}, "pipeline_parallel_size needs zero_stage 0 or 1 without offload"),
-        ({"pipeline_parallel_size": 2, "tensor_parallel_size": 2}, "tensor_parallel_size and pipeline_parallel_size cannot both be above 1"),
+        (
+            {"pipeline_parallel_size": 2, "zero_stage": 2},
+            "pipeline_parallel_size needs zero_stage 0 or 1 without offload",
+        ),
+        (
+            {"pipeline_parallel_size": 2, "tensor_parallel_size": 2},
+            "tensor_parallel_size and pipeline_parallel_size cannot both be above 1",
+        ),
     ],
 )
 def test_invalid_combinations_fail_as_parameters(fields, message):
@@ -90,13 +122,17 @@ def test_invalid_combinations_fail_as_parameters(fields, message):
 
 def test_offload_uses_deepspeeds_cpu_adam_and_raw_overrides_win():
     cfg = TrainConfig(
-        zero_stage=3, offload_optimizer=True, offload_params=True,
+        zero_stage=3,
+        offload_optimizer=True,
+        offload_params=True,
         deepspeed={"zero_optimization": {"reduce_bucket_size": 1000}, "gradient_clipping": 0.5},
     )
     ds = deepspeed_config(cfg, plan(cfg, LAPTOP), total_steps=10, hidden_size=384)
     zero = ds["zero_optimization"]
     assert zero["stage"] == 3 and zero["reduce_bucket_size"] == 1000
-    assert zero["stage3_prefetch_bucket_size"] == int(0.9 * 384**2) and zero["stage3_param_persistence_threshold"] == 3840
+    assert (
+        zero["stage3_prefetch_bucket_size"] == int(0.9 * 384**2) and zero["stage3_param_persistence_threshold"] == 3840
+    )
     assert zero["offload_optimizer"]["device"] == zero["offload_param"]["device"] == "cpu"
     assert ds["optimizer"]["params"]["torch_adam"] is False
     assert ds["gradient_clipping"] == 0.5
@@ -108,7 +144,9 @@ def test_tensor_parallel_groups_take_the_workers_in_whole_groups():
     cfg = TrainConfig(tensor_parallel_size=2)
     p = plan(cfg, LAPTOP)
     assert (p.workers, p.cpus_per_worker, p.micro_batch) == (2, 1, 16), "one group of 2 on a laptop, sharing its CPUs"
-    assert plan(cfg.model_copy(update={"batch_size": 48}), Resources(cpus=7, gpus=0, node_cpus=4)).workers == 6, "of 7 that fit, 3 whole groups"
+    assert plan(cfg.model_copy(update={"batch_size": 48}), Resources(cpus=7, gpus=0, node_cpus=4)).workers == 6, (
+        "of 7 that fit, 3 whole groups"
+    )
     ds = deepspeed_config(cfg, p, total_steps=10)
     assert ds["tensor_parallel"] == {"autotp_size": 2} and "train_batch_size" not in ds
     assert ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] * p.workers == cfg.batch_size
@@ -117,13 +155,26 @@ def test_tensor_parallel_groups_take_the_workers_in_whole_groups():
 @pytest.mark.parametrize(
     ("model_config", "split", "message"),
     [
-        (BertConfig(num_attention_heads=6, hidden_size=384), {"tensor_parallel_size": 4},
-         "train.tensor_parallel_size=4 does not divide the model's num_attention_heads=6: use a divisor of 6"),
-        (BertConfig(num_attention_heads=4, hidden_size=64, intermediate_size=66), {"tensor_parallel_size": 4},
-         "train.tensor_parallel_size=4 does not divide the model's intermediate_size=66"),
-        (DistilBertConfig(), {"tensor_parallel_size": 2}, "is a 'distilbert' model, and ftflow splits BERT-family encoders only .*: set it to 1"),
-        (BertConfig(num_hidden_layers=3), {"pipeline_parallel_size": 2},
-         "train.pipeline_parallel_size=2 does not divide the model's num_hidden_layers=3: use a divisor of 3"),
+        (
+            BertConfig(num_attention_heads=6, hidden_size=384),
+            {"tensor_parallel_size": 4},
+            "train.tensor_parallel_size=4 does not divide the model's num_attention_heads=6: use a divisor of 6",
+        ),
+        (
+            BertConfig(num_attention_heads=4, hidden_size=64, intermediate_size=66),
+            {"tensor_parallel_size": 4},
+            "train.tensor_parallel_size=4 does not divide the model's intermediate_size=66",
+        ),
+        (
+            DistilBertConfig(),
+            {"tensor_parallel_size": 2},
+            "is a 'distilbert' model, and ftflow splits BERT-family encoders only .*: set it to 1",
+        ),
+        (
+            BertConfig(num_hidden_layers=3),
+            {"pipeline_parallel_size": 2},
+            "train.pipeline_parallel_size=2 does not divide the model's num_hidden_layers=3: use a divisor of 3",
+        ),
     ],
 )
 def test_a_model_the_split_does_not_fit_is_refused_before_the_cluster(model_config, split, message, tmp_path):
@@ -133,8 +184,11 @@ def test_a_model_the_split_does_not_fit_is_refused_before_the_cluster(model_conf
 
 
 def test_strategy_auto_owns_what_it_chooses():
-    with pytest.raises(ValidationError, match="strategy=auto chooses zero_stage, offload_optimizer, offload_params, tensor_parallel_size, pipeline_parallel_size, "
-                                              "and zero_stage=3 was set too: leave it out, or set strategy=manual"):
+    with pytest.raises(
+        ValidationError,
+        match="strategy=auto chooses zero_stage, offload_optimizer, offload_params, tensor_parallel_size, pipeline_parallel_size, "
+        "and zero_stage=3 was set too: leave it out, or set strategy=manual",
+    ):
         TrainConfig(strategy="auto", zero_stage=3)
     with pytest.raises(ValidationError, match="memory_per_worker_gb is read by strategy=auto only"):
         TrainConfig(memory_per_worker_gb=4)

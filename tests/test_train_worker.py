@@ -23,30 +23,61 @@ def test_every_worker_gets_equal_micro_batches_and_every_row_once_per_epoch(ray_
     folder.mkdir(parents=True)
     for part in range(3):  # three shards, sorted by label as the shipped reviews are
         numbers = list(range(part * rows // 3, (part + 1) * rows // 3))
-        pq.write_table(pa.table({"row": numbers, "label": [int(n >= rows // 2) for n in numbers],
-                                 "input_ids": [[5] * (1 + n % 7) for n in numbers]}, schema=SHARD_SCHEMA),
-                       folder / f"job_{part:05d}.parquet")
+        pq.write_table(
+            pa.table(
+                {
+                    "row": numbers,
+                    "label": [int(n >= rows // 2) for n in numbers],
+                    "input_ids": [[5] * (1 + n % 7) for n in numbers],
+                },
+                schema=SHARD_SCHEMA,
+            ),
+            folder / f"job_{part:05d}.parquet",
+        )
     seen = tmp_path / "seen"
     seen.mkdir()
 
     def record(config: dict) -> None:
-        cfg, rank = TrainConfig(shuffle_buffer_rows=64, length_group_batches=4), ray.train.get_context().get_world_rank()
-        epochs = [[{key: batch[key].tolist() for key in ("row", "labels", "attention_mask")}
-                   for batch in batches("train", 16, cfg, 0, epoch)] for epoch in range(2)]
+        cfg, rank = (
+            TrainConfig(shuffle_buffer_rows=64, length_group_batches=4),
+            ray.train.get_context().get_world_rank(),
+        )
+        epochs = [
+            [
+                {key: batch[key].tolist() for key in ("row", "labels", "attention_mask")}
+                for batch in batches("train", 16, cfg, 0, epoch)
+            ]
+            for epoch in range(2)
+        ]
         (seen / f"{rank}.json").write_text(json.dumps(epochs))
 
     stream, count = split(str(folder), 3)
-    TorchTrainer(record, datasets={"train": stream.random_shuffle(seed=7)}, dataset_config=data_config(),
-                 scaling_config=ScalingConfig(num_workers=3, resources_per_worker={"CPU": 0.5}),
-                 torch_config=TorchConfig(backend="gloo"), run_config=RunConfig(storage_path=str(tmp_path / "ray"))).fit()
+    TorchTrainer(
+        record,
+        datasets={"train": stream.random_shuffle(seed=7)},
+        dataset_config=data_config(),
+        scaling_config=ScalingConfig(num_workers=3, resources_per_worker={"CPU": 0.5}),
+        torch_config=TorchConfig(backend="gloo"),
+        run_config=RunConfig(storage_path=str(tmp_path / "ray")),
+    ).fit()
 
     workers = [json.loads((seen / f"{rank}.json").read_text()) for rank in range(3)]
     assert count == rows
     for epoch in range(2):
         shards = [[row for batch in worker[epoch] for row in batch["row"]] for worker in workers]
-        assert [len(worker[epoch]) for worker in workers] == [21, 21, 21]  # 1002 / 3 = 334 rows each, in micro-batches of 16
+        assert [len(worker[epoch]) for worker in workers] == [
+            21,
+            21,
+            21,
+        ]  # 1002 / 3 = 334 rows each, in micro-batches of 16
         assert sorted(row for shard in shards for row in shard) == [-1, -1, *range(rows)]
-        padding = [label for worker in workers for batch in worker[epoch] for row, label in zip(batch["row"], batch["labels"]) if row < 0]
+        padding = [
+            label
+            for worker in workers
+            for batch in worker[epoch]
+            for row, label in zip(batch["row"], batch["labels"], strict=True)
+            if row < 0
+        ]
         assert padding == [IGNORED, IGNORED]
         first_batch = workers[0][epoch][0]["labels"]
         assert 0 < sum(first_batch) < len(first_batch), "a micro-batch of one class: the split was not shuffled"
@@ -57,8 +88,12 @@ def test_every_worker_gets_equal_micro_batches_and_every_row_once_per_epoch(ray_
     # random order, the same on every worker, so a step's batches are of like width.
     widths = [[len(batch["attention_mask"][0]) for batch in worker[0]] for worker in workers]
     real = sum(sum(map(sum, batch["attention_mask"])) for worker in workers for batch in worker[0])
-    computed = sum(len(batch["attention_mask"]) * len(batch["attention_mask"][0]) for worker in workers for batch in worker[0])
+    computed = sum(
+        len(batch["attention_mask"]) * len(batch["attention_mask"][0]) for worker in workers for batch in worker[0]
+    )
     assert real / computed > 0.75, f"only {real / computed:.0%} of the computed tokens are real"
     groups = [widths[0][start : start + 4] for start in range(0, 20, 4)]
-    assert any(group != sorted(group) for group in groups), f"each group trains shortest first, in no drawn order: {groups}"
-    assert sum(max(step) - min(step) for step in zip(*widths)) <= len(widths[0]), widths
+    assert any(group != sorted(group) for group in groups), (
+        f"each group trains shortest first, in no drawn order: {groups}"
+    )
+    assert sum(max(step) - min(step) for step in zip(*widths, strict=True)) <= len(widths[0]), widths

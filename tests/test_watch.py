@@ -12,7 +12,11 @@ def test_a_stall_is_judged_by_the_recent_step_time_once_steps_flow(monkeypatch, 
     now = [0.0]
     monkeypatch.setattr(watch.time, "monotonic", lambda: now[0])
     reports = []
-    monkeypatch.setattr(watch.stall, "report", lambda folder, workers, stuck: reports.append((workers, stuck)) or "all_reduce (c10d.py:1)")
+    monkeypatch.setattr(
+        watch.stall,
+        "report",
+        lambda folder, workers, stuck: reports.append((workers, stuck)) or "all_reduce (c10d.py:1)",
+    )
     dog = watch.Watchdog(logging.getLogger("ftflow.test"), str(tmp_path), stall_warning_s=None)
 
     def heard(at: float, phase: str, step: int = 0) -> None:
@@ -32,8 +36,10 @@ def test_a_stall_is_judged_by_the_recent_step_time_once_steps_flow(monkeypatch, 
     [(workers, stuck)] = reports
     assert stuck == workers[0] and (stuck.what, stuck.pid) == ("rank 0", 7)
     [line] = caplog.messages
-    assert line.startswith("training has shown no progress for 31 s: rank 0 is in 'training' at step 100, top frame all_reduce (c10d.py:1); "
-                           f"stall report: {tmp_path}/stall/")
+    assert line.startswith(
+        "training has shown no progress for 31 s: rank 0 is in 'training' at step 100, top frame all_reduce (c10d.py:1); "
+        f"stall report: {tmp_path}/stall/"
+    )
 
     heard(400, watch.TRAINING, step=101)  # progress again; then a slower model's 5 s steps allow 100 s
     for second in range(1, 4):

@@ -21,12 +21,22 @@ def make_tiny_bert(texts: list[str], directory: Path, vocab_size: int = 2000) ->
         single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B [SEP]", special_tokens=[("[CLS]", cls), ("[SEP]", sep)]
     )
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=wordpiece, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]",
-        sep_token="[SEP]", mask_token="[MASK]", model_max_length=512,
+        tokenizer_object=wordpiece,
+        unk_token="[UNK]",
+        pad_token="[PAD]",
+        cls_token="[CLS]",
+        sep_token="[SEP]",
+        mask_token="[MASK]",
+        model_max_length=512,
     )
     config = BertConfig(
-        vocab_size=wordpiece.get_vocab_size(), hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
-        intermediate_size=128, max_position_embeddings=512, num_labels=2,
+        vocab_size=wordpiece.get_vocab_size(),
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=128,
+        max_position_embeddings=512,
+        num_labels=2,
     )
     with torch.random.fork_rng():  # the same tiny model in every test session, the session's own RNG untouched
         torch.manual_seed(0)

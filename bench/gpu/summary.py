@@ -1,6 +1,7 @@
 """check.sh's summary line for one ftflow run: from its manifest.json when the run completed, else from
 its log's per-epoch line (training ended, a later stage did not), else its exit alone.
     python3 summary.py NAME RUN_DIR EXIT_CODE WALL_SECONDS"""
+
 import glob
 import json
 import re
@@ -13,9 +14,11 @@ try:
     manifest = json.loads(Path(run, "manifest.json").read_text())
     epoch, seconds = manifest["metrics"]["training"]["history"][-1], manifest["seconds"]
     first = seconds.get("start to first training step")
-    print(f"RESULT ftflow {name}: {epoch['samples_per_s']:.1f} samples/s, peak {epoch['peak_memory_mb']:.0f} MiB, "
-          f"train {seconds['train']:.1f} s, first step at {first if first is None else round(first, 1)} s, "
-          f"test accuracy {manifest['metrics']['test']['accuracy']:.4f}, {end}")
+    print(
+        f"RESULT ftflow {name}: {epoch['samples_per_s']:.1f} samples/s, peak {epoch['peak_memory_mb']:.0f} MiB, "
+        f"train {seconds['train']:.1f} s, first step at {first if first is None else round(first, 1)} s, "
+        f"test accuracy {manifest['metrics']['test']['accuracy']:.4f}, {end}"
+    )
 except (OSError, KeyError, IndexError, ValueError):
     found = None
     for log in sorted(glob.glob(f"{run}/logs/*.log")):

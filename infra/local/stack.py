@@ -61,8 +61,22 @@ def stack_env() -> dict[str, str]:
 # touches other Ray clusters on the machine (`ray stop` would stop every one).
 PROCESSES = [
     ("prefect-server", [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(PREFECT_PORT)]),
-    ("ray-head", [str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(RAY_PORT),
-                  "--include-dashboard", "false", "--disable-usage-stats"]),
+    (
+        "ray-head",
+        [
+            str(BIN / "ray"),
+            "start",
+            "--head",
+            "--block",
+            "--node-ip-address",
+            "127.0.0.1",
+            "--port",
+            str(RAY_PORT),
+            "--include-dashboard",
+            "false",
+            "--disable-usage-stats",
+        ],
+    ),
     ("runner", [sys.executable, "-m", "deployments.serve"]),
 ]
 
@@ -86,8 +100,15 @@ def start(name: str, command: list[str]) -> None:
         return
     with open(STATE / f"{name}.log", "ab") as log:
         # A session of its own: the process outlives this command and its terminal.
-        process = subprocess.Popen(command, cwd=PROJECT_ROOT, env=stack_env(), stdout=log, stderr=log,
-                                   stdin=subprocess.DEVNULL, start_new_session=True)
+        process = subprocess.Popen(
+            command,
+            cwd=PROJECT_ROOT,
+            env=stack_env(),
+            stdout=log,
+            stderr=log,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
     (STATE / f"{name}.pid").write_text(str(process.pid))
     print(f"{name}: started (pid {process.pid}, log {STATE / f'{name}.log'})")
 
@@ -115,8 +136,12 @@ def port_open(port: int) -> bool:
 def deployments_ready() -> bool:
     """The runner has registered its deployments with the server."""
     try:
-        with urllib.request.urlopen(urllib.request.Request(
-            f"{UI}/api/deployments/filter", data=b"{}", headers={"Content-Type": "application/json"}), timeout=5) as reply:
+        with urllib.request.urlopen(
+            urllib.request.Request(
+                f"{UI}/api/deployments/filter", data=b"{}", headers={"Content-Type": "application/json"}
+            ),
+            timeout=5,
+        ) as reply:
             return b'"retrain"' in reply.read()
     except OSError:
         return False
@@ -129,8 +154,10 @@ def up() -> None:
     for name, command in PROCESSES:
         start(name, command)
         wait_until(ready[name], name)
-    print(f"\nPrefect UI:      {UI}\nPREFECT_API_URL: {UI}/api\nRAY_ADDRESS:     127.0.0.1:{RAY_PORT}"
-          f"\nRay's token:     RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH={RAY_TOKEN}")
+    print(
+        f"\nPrefect UI:      {UI}\nPREFECT_API_URL: {UI}/api\nRAY_ADDRESS:     127.0.0.1:{RAY_PORT}"
+        f"\nRay's token:     RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH={RAY_TOKEN}"
+    )
 
 
 def stop(name: str, grace_s: float = 60) -> None:
