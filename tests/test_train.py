@@ -82,7 +82,8 @@ def fit(uris: dict, model: Path, cfg: TrainConfig, run_dir: Path | str) -> Resul
 
 STRATEGIES = {
     "zero0": {"zero_stage": 0},
-    "zero1": {"zero_stage": 1},
+    # ZeRO-1 is DeepSpeed's ZeRO-2 optimizer without gradient partitioning (one class, one export path
+    # here): proven by pp2-dp2-zero1 below
     "zero2": {"zero_stage": 2},
     "zero3": {"zero_stage": 3},
     # bf16 as a GPU runs it (DeepSpeed's bf16 optimizer, fp32 master weights), slowly on this CPU
@@ -108,9 +109,12 @@ STRATEGIES = {
 def test_exported_model_predicts_like_the_engine_at_end_of_training(strategy, tokenized, tiny_model):
     root, uris = tokenized
     run_dir = Path(root) / "runs" / strategy
-    cfg = TrainConfig(
-        **{"epochs": 1, "batch_size": 16, "learning_rate": 2e-3, "num_workers": 2, **STRATEGIES[strategy]}
-    )
+    # 24 steps show what 128 did: the weights moved (asserted below), and the engine's last validation
+    # is compared with the export's. bf16 trains its whole epoch: its rounding flips the labels of a
+    # barely trained model's small margins.
+    bf16 = STRATEGIES[strategy].get("precision") == "bf16"
+    run = {"epochs": 1, "max_steps": None if bf16 else 24, "batch_size": 16, "learning_rate": 2e-3, "num_workers": 2}
+    cfg = TrainConfig(**{**run, **STRATEGIES[strategy]})
     result = fit(uris, tiny_model, cfg, run_dir)
     history = result.history
 
