@@ -15,7 +15,6 @@ cluster work. Bad input is one line and exit code 2; any other failure one line 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 import traceback
@@ -29,7 +28,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from flows import console
-from tasks.config import PROJECT_ROOT, FinetuneParams, InferenceConfig, default_storage_root, one_line
+from tasks.config import FinetuneParams, InferenceConfig, default_storage_root, one_line
 from tasks.config import first_line as config_first_line
 
 app = typer.Typer(
@@ -259,11 +258,9 @@ def down() -> None:
 
 
 def local_stack():
-    """infra/local/stack.py, a file of the checkout (infra/ is not a package: the stack is for a checkout)."""
-    spec = importlib.util.spec_from_file_location("ftflow_local_stack", PROJECT_ROOT / "infra" / "local" / "stack.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from infra.local import stack  # only the stack's commands need it
+
+    return stack
 
 
 @app.command(name="new-data")
