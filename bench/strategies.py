@@ -49,6 +49,7 @@ sys.path.insert(0, str(ROOT))
 from tasks import cluster  # noqa: E402
 from tasks.config import DataConfig, ModelConfig, TrainConfig  # noqa: E402
 from tasks.data import load_splits  # noqa: E402
+from tasks.storage import RunStore  # noqa: E402
 from tasks.tokenize import load_tokenizer, tokenize, tokenize_key  # noqa: E402
 from tasks.train import train  # noqa: E402
 from tasks.train_worker import collate, param_groups  # noqa: E402
@@ -310,7 +311,9 @@ def ftflow(
         | layout
         | options
     )
-    row = train(uris, ModelConfig(name_or_path=model_path, max_length=max_length), LABELS, cfg, run_dir).history[-1]
+    row = train(
+        uris, ModelConfig(name_or_path=model_path, max_length=max_length), LABELS, cfg, RunStore.at(run_dir)
+    ).history[-1]
     return {
         "samples_per_s": row.samples_per_s,
         "first_step_s": row.startup_s,

@@ -37,6 +37,7 @@ from tasks import cluster  # noqa: E402
 from tasks.config import SHIPPED_DATA, DataConfig, ModelConfig, TrainConfig  # noqa: E402
 from tasks.data import load_splits  # noqa: E402
 from tasks.shards import SHARD_SCHEMA  # noqa: E402
+from tasks.storage import RunStore  # noqa: E402
 from tasks.tokenize import load_tokenizer, tokenize, tokenize_key  # noqa: E402
 
 LABELS = ["negative", "positive"]
@@ -129,7 +130,7 @@ def run(uris: dict, model: str, max_length: int, steps: int, streamed: bool, fol
     cfg = TrainConfig(batch_size=32, num_workers=2, max_steps=steps, eval_every_steps=0, length_group_batches=1)
     started = time.perf_counter()
     row = tasks.train.train.fn(
-        uris, ModelConfig(name_or_path=model, max_length=max_length), LABELS, cfg, folder
+        uris, ModelConfig(name_or_path=model, max_length=max_length), LABELS, cfg, RunStore.at(folder)
     ).history[-1]
     return {
         "samples_per_s": row.samples_per_s,

@@ -99,7 +99,7 @@ def relabelling(config: RelabelFile, path: Path) -> RunnerDeployment:
     on_promotion = {
         "model_uri": "{{ event.payload.model_uri }}",
         "input_uri": config.input_uri,
-        "output_uri": f"{{{{ event.payload.storage_root }}}}/labels/{config.model_name}/{{{{ event.payload.run_id }}}}",
+        "output_uri": "{{ event.payload.labels_uri }}",
         **config.parameters,
     }
     try:

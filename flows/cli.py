@@ -176,7 +176,7 @@ def run(
                 "promoted": "yes" if summary["promoted"] else "no",
                 "run id": summary["run_id"],
                 "artifacts": summary["run_dir"],
-                "report": f"{summary['run_dir']}/report/report.md",
+                "report": summary["report"],
             }
         )
 

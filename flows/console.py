@@ -164,7 +164,7 @@ def kept(log_file: Path, run_dir: str | None) -> str:
     process prints on its way out goes to the removed file), or where it is."""
     if run_dir is None:
         return str(log_file)
-    kept_at = storage.join(run_dir, "logs", log_file.name)
+    kept_at = storage.join(storage.RunStore.at(run_dir).logs, log_file.name)
     storage.write_bytes(kept_at, log_file.read_bytes())
     log_file.unlink()
     log_file.parent.rmdir()

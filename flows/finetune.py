@@ -56,7 +56,7 @@ def finetune(params: FinetuneParams = FinetuneParams()) -> dict:
         )
     with took("train"):
         training = train.with_options(timeout_seconds=params.train.timeout_s)(
-            tokenized, params.model, params.data.label_names, params.train, store.base, params.ray_address
+            tokenized, params.model, params.data.label_names, params.train, store, params.ray_address
         )
     with took("evaluate"):
         metrics = evaluate(store.model_dir, inputs.splits["test"], store.metrics, params.ray_address)
@@ -110,6 +110,7 @@ def finetune(params: FinetuneParams = FinetuneParams()) -> dict:
     return {
         "run_id": store.run_id,
         "run_dir": store.base,
+        "report": store.report_md,
         "test_accuracy": metrics["accuracy"],
         "metrics": metrics,
         "promoted": promotion["promoted"],

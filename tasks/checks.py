@@ -16,7 +16,7 @@ from pathlib import Path
 from tasks import storage
 from tasks.config import DataConfig, FinetuneParams, InferenceConfig
 from tasks.data import SPLITS, Split, expand_inputs, load_splits, unlabelled_files
-from tasks.registry import champion_pointer, resolve
+from tasks.registry import resolve
 from tasks.storage import OutputFolder, RunStore, check_writable, refuse_overlap
 
 
@@ -91,7 +91,10 @@ def run_inputs(params: FinetuneParams, store: RunStore | None) -> RunInputs:
     check_writable(params.storage_root, "storage_root")
     if store is not None:
         store.check()  # and outputs that would overwrite what ftflow did not write
-    outputs = [champion_pointer(params.storage_root, params.promotion.model_name), *([store.base] if store else [])]
+    outputs = [
+        storage.StorageRoot(params.storage_root).champion(params.promotion.model_name),
+        *([store.base] if store else []),
+    ]
     refuse_overlap(outputs, inputs.read(params))
     return inputs
 

@@ -1,7 +1,8 @@
 """ftflow's Prefect events: what deployments (deployments/definitions.py) are triggered by.
 
     ftflow.model.promoted   a run's model became its registry entry's champion (tasks/promote.py):
-                            resource ftflow.model.<name>; payload model_uri, metric, score, run_id, storage_root
+                            resource ftflow.model.<name>; payload model_uri, metric, score, run_id, storage_root,
+                            labels_uri (where its on-promotion labelling goes)
     ftflow.data.arrived     new training data is there (`ftflow new-data URI`, or any emitter of the event):
                             resource ftflow.data.<name>; payload train_uri
 
@@ -18,7 +19,7 @@ DATA_ARRIVED = "ftflow.data.arrived"
 
 
 def promoted(
-    model_name: str, model_uri: str, metric: str, score: float, run_id: str, storage_root: str
+    model_name: str, model_uri: str, metric: str, score: float, run_id: str, storage_root: str, labels_uri: str
 ) -> Event | None:
     return emit_event(
         PROMOTED,
@@ -29,6 +30,7 @@ def promoted(
             "score": score,
             "run_id": run_id,
             "storage_root": storage_root,
+            "labels_uri": labels_uri,
         },
     )
 

@@ -27,7 +27,6 @@ from tasks import events, jobs, storage
 from tasks.config import PromotionConfig
 from tasks.data import Split
 from tasks.evaluate import metrics_of, score
-from tasks.registry import champion_pointer
 from tasks.retries import RETRY_TRANSIENT
 
 
@@ -82,7 +81,7 @@ def promote(
 ) -> dict:
     """Make model_uri the champion of cfg.model_name if it clears the floor and is at least as good as
     the champion; the decision, with why."""
-    pointer = champion_pointer(root, cfg.model_name)
+    pointer = storage.StorageRoot(root).champion(cfg.model_name)
     current, version = storage.read_versioned_json(pointer)
     challenger, (least, reaching_is_enough, floor_words) = metrics[cfg.metric], floor(metrics, cfg)
     champion = None
@@ -114,7 +113,15 @@ def promote(
             f"({winner['metric']} {winner['value']:.4f}); the next run compares with it"
         )
     if promoted:  # for what a promotion triggers (deployments/definitions.py): labelling with the new champion
-        events.promoted(cfg.model_name, model_uri, cfg.metric, challenger, run_id, root)
+        events.promoted(
+            cfg.model_name,
+            model_uri,
+            cfg.metric,
+            challenger,
+            run_id,
+            root,
+            storage.StorageRoot(root).labels(cfg.model_name, run_id),
+        )
     decision = {
         "promoted": promoted,
         "reason": why,

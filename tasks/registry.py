@@ -16,16 +16,12 @@ from tasks import storage
 CHAMPION_REF = re.compile(r"^models/(?P<name>[^/]+)@champion$")
 
 
-def champion_pointer(root: str, name: str) -> str:
-    return storage.join(storage.normalize(root), "models", storage.safe_name(name, "model name"), "champion")
-
-
 def resolve(model_uri: str, root: str) -> str:
     """`models/<name>@champion` -> the champion's model URI under `root`; any other URI as it is."""
     match = CHAMPION_REF.match(model_uri)
     if not match:
         return model_uri
-    pointer = champion_pointer(root, match["name"])
+    pointer = storage.StorageRoot(root).champion(match["name"])
     if not storage.exists(pointer):
         raise ValueError(
             f"model_uri {model_uri}: the registry entry '{match['name']}' under {storage.normalize(root)} has no "

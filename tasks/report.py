@@ -246,7 +246,7 @@ def publish_report(
     for name, image in plots.items():
         storage.write_bytes(storage.join(store.report, PLOTS[name]), image)
     beside = markdown(store, config, splits, outputs, results, seconds, PLOTS)
-    storage.write_bytes(storage.join(store.report, "report.md"), beside.encode())
+    storage.write_bytes(store.report_md, beside.encode())
     # The Prefect UI cannot read the store (a local folder, a private bucket): its copy carries the plots inline.
     inline = {name: "data:image/png;base64," + base64.b64encode(image).decode() for name, image in plots.items()}
     create_markdown_artifact(
@@ -259,7 +259,7 @@ def publish_report(
         table=metric_rows(results["training"], results["test"], results["promotion"]),
         description=f"Final metrics of run {store.run_id}",
     )
-    return storage.join(store.report, "report.md")
+    return store.report_md
 
 
 @task

@@ -1,4 +1,5 @@
-"""The one owner of ftflow's storage layout, local or S3-compatible, through fsspec.
+"""The one owner of ftflow's storage layout, local or S3-compatible, through fsspec. Its paths are
+built here only: by StorageRoot (the root's own) and RunStore (a run's).
 
     <root>/tokenized/<content-key>/<split>/*.parquet   shared by every run with the same content
     <root>/runs/<run_id>/train/                        Ray Train checkpoints
@@ -7,7 +8,10 @@
     <root>/runs/<run_id>/predictions/*.parquet, _SUCCESS.json written last: no marker, no result
     <root>/runs/<run_id>/report/report.md, *.png       the run report and its plots
     <root>/runs/<run_id>/manifest.json                 written last: no manifest, no result
+    <root>/runs/<run_id>/logs/, stall/                 the console's log file; stall reports
     <root>/models/<name>/champion                      the promoted model's URI, swapped in one conditional write
+    <root>/labels/<name>/<run_id>/                     each champion's labelling (the on-promotion deployment)
+    <root>/mlflow.db, mlflow-artifacts/                MLflow's default store, for a local root
 
 Data safety: ftflow deletes only files an earlier ftflow job wrote and recorded (OutputFolder),
 never a folder's content; refuses an output folder that holds files it did not write, an output
@@ -352,6 +356,34 @@ def pyarrow_filesystem(uri: str) -> tuple[str, pyarrow.fs.FileSystem | None]:
 
 
 @dataclass(frozen=True)
+class StorageRoot:
+    """The paths directly under a storage root, shared by its runs."""
+
+    root: str
+
+    @property
+    def base(self) -> str:
+        return normalize(self.root)
+
+    def tokenized(self, content_key: str) -> str:
+        return join(self.base, "tokenized", content_key)
+
+    def champion(self, model_name: str) -> str:
+        return join(self.base, "models", safe_name(model_name, "model name"), "champion")
+
+    def labels(self, model_name: str, run_id: str) -> str:
+        return join(self.base, "labels", safe_name(model_name, "model name"), safe_name(run_id, "run_id"))
+
+    @property
+    def mlflow_db(self) -> str:
+        return join(self.base, "mlflow.db")
+
+    @property
+    def mlflow_artifacts(self) -> str:
+        return join(self.base, "mlflow-artifacts")
+
+
+@dataclass(frozen=True)
 class RunStore:
     root: str
     run_id: str
@@ -374,6 +406,14 @@ class RunStore:
                 "choose another run_id"
             )
         OutputFolder(self.predictions).check()
+
+    @classmethod
+    def at(cls, run_dir: str) -> RunStore:
+        """The store of the run folder <root>/runs/<run_id>."""
+        root, runs, run_id = normalize(run_dir).rsplit("/", 2)
+        if runs != "runs":
+            raise ValueError(f"{run_dir} is not a run folder (<root>/runs/<run_id>)")
+        return cls(root, run_id)
 
     @property
     def base(self) -> str:
@@ -400,8 +440,17 @@ class RunStore:
         return join(self.base, "report")
 
     @property
+    def report_md(self) -> str:
+        return join(self.report, "report.md")
+
+    @property
+    def logs(self) -> str:
+        return join(self.base, "logs")
+
+    @property
+    def stall(self) -> str:
+        return join(self.base, "stall")
+
+    @property
     def manifest(self) -> str:
         return join(self.base, "manifest.json")
-
-    def tokenized(self, content_key: str) -> str:
-        return join(normalize(self.root), "tokenized", content_key)

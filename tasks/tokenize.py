@@ -54,7 +54,7 @@ class TokenizeKey(BaseModel):
 
     @property
     def target(self) -> str:
-        return storage.join(self.root, "tokenized", self.digest)
+        return storage.StorageRoot(self.root).tokenized(self.digest)
 
     @property
     def uris(self) -> dict[str, str]:

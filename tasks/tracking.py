@@ -29,11 +29,7 @@ HTTP_RETRIES, HTTP_TIMEOUT_S = "0", "10"
 def tracking_uri(storage_root: str) -> str | None:
     if uri := os.environ.get("MLFLOW_TRACKING_URI"):
         return uri
-    return (
-        None
-        if storage.is_remote(storage_root)
-        else f"sqlite:///{storage.join(storage.normalize(storage_root), 'mlflow.db')}"
-    )
+    return None if storage.is_remote(storage_root) else f"sqlite:///{storage.StorageRoot(storage_root).mlflow_db}"
 
 
 def redacted(text: str, uri: str) -> str:
@@ -133,7 +129,7 @@ def logged(uri: str, params: FinetuneParams, store: RunStore, results: dict, sec
             for key, value in {
                 "ftflow.run_dir": store.base,
                 "ftflow.model_uri": store.model_dir,
-                "ftflow.report": storage.join(store.report, "report.md"),
+                "ftflow.report": store.report_md,
                 "ftflow.promoted": str(promotion["promoted"]).lower(),
                 "ftflow.promotion": promotion.get("reason", ""),
             }.items()
@@ -147,8 +143,4 @@ def logged(uri: str, params: FinetuneParams, store: RunStore, results: dict, sec
 
 def default_artifacts(storage_root: str) -> str | None:
     """Beside the default SQLite store; a server or store the user named keeps its own default."""
-    return (
-        None
-        if os.environ.get("MLFLOW_TRACKING_URI")
-        else storage.join(storage.normalize(storage_root), "mlflow-artifacts")
-    )
+    return None if os.environ.get("MLFLOW_TRACKING_URI") else storage.StorageRoot(storage_root).mlflow_artifacts

@@ -35,6 +35,7 @@ from tasks.live import Tracked
 from tasks.progress import relayed
 from tasks.retries import RETRY_TRANSIENT
 from tasks.shards import SHARD_SCHEMA
+from tasks.storage import RunStore
 from tasks.train_worker import IGNORED, STATE_FILE, Fault, Plan, Result, WorkerSpec, train_worker
 from tasks.watch import FailureRelay, Watchdog, own
 
@@ -314,10 +315,10 @@ def train(
     model: ModelConfig,
     label_names: list[str],
     cfg: TrainConfig,
-    run_dir: str,
+    store: RunStore,
     ray_address: str | None = None,
 ) -> Result:
-    """Fine-tune on the tokenized splits; the consolidated model lands in <run_dir>/model. Returns
+    """Fine-tune on the tokenized splits; the consolidated model lands in the run's model folder. Returns
     the per-epoch history, the loss and accuracy per step, and the validation predictions."""
     with Tracked("training-progress", "Training: % of its optimizer steps done") as progress:
         return jobs.run(
@@ -328,7 +329,7 @@ def train(
             model=model,
             label_names=label_names,
             cfg=cfg,
-            run_dir=run_dir,
+            store=store,
         )
 
 
@@ -357,7 +358,7 @@ def check_training_plan(
 
 
 def fit(
-    tokenized: dict[str, str], model: ModelConfig, label_names: list[str], cfg: TrainConfig, run_dir: str
+    tokenized: dict[str, str], model: ModelConfig, label_names: list[str], cfg: TrainConfig, store: RunStore
 ) -> Result:
     """The stage's Ray work (tasks/jobs.py runs it where the cluster is): plan, then Ray Train."""
     logger = jobs.log
@@ -373,7 +374,6 @@ def fit(
     hidden_size = getattr(
         AutoConfig.from_pretrained(model.name_or_path, **hub_free(model.name_or_path)), "hidden_size", 768
     )
-    model_uri = storage.join(run_dir, "model")
     spec = WorkerSpec(
         train=cfg,
         plan=the_plan,
@@ -383,9 +383,9 @@ def fit(
         max_length=model.max_length,
         batches_per_epoch=batches_per_epoch,
         max_steps=max_steps,
-        model_uri=model_uri,
+        model_uri=store.model_dir,
     )
-    storage_path, filesystem = storage.pyarrow_filesystem(storage.join(run_dir, "train"))
+    storage_path, filesystem = storage.pyarrow_filesystem(store.train_dir)
     logger.info("training on %s, %d steps", the_plan.describe(cfg), max_steps)
     if (
         the_plan.precision == "bf16" and not the_plan.use_gpu and not cpu_has_native_bf16()
@@ -395,7 +395,7 @@ def fit(
         )
     fault = Fault.model_validate_json(os.environ[FAULT]).model_dump() if os.environ.get(FAULT) else None
     # The workers' ticks, lines and heartbeats, while training runs; a stall is reported under the run.
-    with relayed(logger, Watchdog(logger, run_dir, cfg.stall_warning_s)) as channel:
+    with relayed(logger, Watchdog(logger, store.stall, cfg.stall_warning_s)) as channel:
         trainer = TorchTrainer(
             train_worker,
             train_loop_config={
@@ -446,7 +446,7 @@ def fit(
                 f"{gpu} each within wait_for_workers_s={cfg.wait_for_workers_s:g}: no node can hold one, or none was "
                 "added in time; see `ray status`"
             ) from None
-    result = Result.model_validate(storage.read_json(storage.join(model_uri, STATE_FILE)))
+    result = Result.model_validate(storage.read_json(storage.join(store.model_dir, STATE_FILE)))
     tp = cfg.tensor_parallel_size
     if spread := [rank for rank in range(0, len(result.nodes), tp) if len(set(result.nodes[rank : rank + tp])) > 1]:
         logger.warning(

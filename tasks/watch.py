@@ -94,12 +94,12 @@ class FailureRelay(UserCallback):
 
 class Watchdog:
     """On the driver, given the workers' latest heartbeats every second: when none has changed for the
-    threshold, writes a stall report (tasks/stall.py) under <run_dir>/stall/<time>/ and logs one
+    threshold, writes a stall report (tasks/stall.py) under the run's stall/<time>/ and logs one
     warning naming the phase and the top stack frame of the worker heard from least recently. Once
     per stall; the run goes on (train.timeout_s still ends it)."""
 
-    def __init__(self, log: logging.Logger, run_dir: str, stall_warning_s: float | None):
-        self.log, self.run_dir, self.fixed_s = log, run_dir, stall_warning_s
+    def __init__(self, log: logging.Logger, stall_dir: str, stall_warning_s: float | None):
+        self.log, self.stall_dir, self.fixed_s = log, stall_dir, stall_warning_s
         self.heard: dict[int, tuple[Beat, float]] = {}  # rank: (its latest beat, when it changed, on this clock)
         self.since, self.step_s, self.reported = time.monotonic(), None, False
 
@@ -130,7 +130,7 @@ class Watchdog:
             self.warn(stalest, silent_s)
 
     def warn(self, stalest: Beat | None, silent_s: float) -> None:
-        folder = storage.join(self.run_dir, "stall", time.strftime("%Y%m%d-%H%M%S"))
+        folder = storage.join(self.stall_dir, time.strftime("%Y%m%d-%H%M%S"))
         workers = [
             stall.Process(what=f"rank {rank}", node_id=heard.node_id, pid=heard.pid)
             for rank, (heard, _) in sorted(self.heard.items())

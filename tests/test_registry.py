@@ -29,7 +29,7 @@ from tasks.config import DataConfig, FinetuneParams, PromotionConfig
 from tasks.data import load_splits
 from tasks.evaluate import score
 from tasks.promote import promote
-from tasks.registry import champion_pointer, resolve
+from tasks.registry import resolve
 from tasks.report import summary as report_summary
 from tasks.storage import MARKER, RunStore
 from tasks.tracking import track
@@ -40,7 +40,7 @@ def test_a_model_that_loses_leaves_the_champion_untouched(ray_cluster, tiny_mode
     first = finetune(
         params(tiny_model, small_data, root).model_copy(update={"promotion": PromotionConfig(model_name="rt")})
     )
-    pointer = champion_pointer(root, "rt")
+    pointer = storage.StorageRoot(root).champion("rt")
     assert first["promoted"] and storage.read_json(pointer)["model_uri"] == f"{first['run_dir']}/model"
     before = storage.filesystem(pointer)[0].cat_file(pointer)
 
@@ -123,7 +123,7 @@ def test_a_model_that_predicts_one_class_is_not_promoted_even_to_an_empty_entry(
     state = gate(PromotionConfig(model_name="rt"), return_state=True)
     decision = state.result()
     floor = "accuracy > 0.5000, the score of always predicting the test split's majority class 'negative' (promotion.min_score unset)"
-    assert not decision["promoted"] and not storage.exists(champion_pointer(root, "rt"))
+    assert not decision["promoted"] and not storage.exists(storage.StorageRoot(root).champion("rt"))
     assert decision["reason"] == f"accuracy 0.5000 is not above the floor: {floor}" and decision["floor"] == floor
     [artifact] = artifacts_of(state.state_details.flow_run_id, "promotion")
     assert (
@@ -204,7 +204,7 @@ def test_two_promotions_racing_from_the_same_champion_exactly_one_wins(
 
     winners = [run for run, decision in decisions.items() if decision["promoted"]]
     assert len(winners) == 1, decisions
-    champion = storage.read_json(champion_pointer(root, "rt"))
+    champion = storage.read_json(storage.StorageRoot(root).champion("rt"))
     assert champion["run_id"] == winners[0] and champion["model_uri"] == f"{root}/runs/{winners[0]}/model"
     loser = decisions[{"a": "b", "b": "a"}[winners[0]]]
     assert loser["previous_champion_uri"] == str(tiny_model) and loser["champion"] == decisions[winners[0]]["champion"]

@@ -22,6 +22,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer, Bert
 from tasks.config import DataConfig, ModelConfig, TrainConfig
 from tasks.data import load_splits
 from tasks.predictor import padded
+from tasks.storage import RunStore
 from tasks.tokenize import load_tokenizer, tokenize, tokenize_key
 from tasks.train import FAULT, train
 from tasks.train_worker import STATE_FILE, EpochRecord, Fault, Result
@@ -77,7 +78,7 @@ def assert_model_is_the_trained_engine(
 
 
 def fit(uris: dict, model: Path, cfg: TrainConfig, run_dir: Path | str) -> Result:
-    return train(uris, ModelConfig(name_or_path=str(model), max_length=64), LABELS, cfg, str(run_dir))
+    return train(uris, ModelConfig(name_or_path=str(model), max_length=64), LABELS, cfg, RunStore.at(str(run_dir)))
 
 
 STRATEGIES = {
@@ -293,7 +294,7 @@ def test_evaluating_more_often_trains_the_same_model(tokenized, tiny_model, tmp_
             uris,
             tiny_model,
             TrainConfig(epochs=1, batch_size=16, num_workers=2, eval_every_steps=every),
-            tmp_path / f"every-{every}",
+            tmp_path / "runs" / f"every-{every}",
         )
         for every in (0, 40)
     }
@@ -335,7 +336,7 @@ def test_zero3_holds_less_memory_per_worker_than_zero0(wide_model, small_data, t
     for stage in (0, 3):
         # 4 workers on half a CPU each: ZeRO-3 keeps a quarter of the model state per worker.
         cfg = TrainConfig(zero_stage=stage, epochs=1, batch_size=16, num_workers=4, cpus_per_worker=0.5)
-        peak[stage] = fit(uris, wide_model, cfg, tmp_path / f"zero{stage}").history[-1].peak_memory_mb
+        peak[stage] = fit(uris, wide_model, cfg, tmp_path / "runs" / f"zero{stage}").history[-1].peak_memory_mb
     print(f"peak RSS per worker: ZeRO-0 {peak[0]:.0f} MiB, ZeRO-3 {peak[3]:.0f} MiB")
     assert peak[3] < 0.9 * peak[0], peak
 
@@ -346,13 +347,14 @@ import json, sys
 import ray
 from ray.cluster_utils import Cluster
 from tasks.config import ModelConfig, TrainConfig
+from tasks.storage import RunStore
 from tasks.train import fit
-tokenized, model, run_dir = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3]
+tokenized, model, root = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3]
 cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
 sizes = {cluster.add_node(num_cpus=cpus).node_id: cpus for cpus in (3, 2)}
 ray.init(address=cluster.address)
 cfg = TrainConfig(tensor_parallel_size=2, num_workers=4, cpus_per_worker=1, batch_size=16, max_steps=3)
-result = fit(tokenized, ModelConfig(name_or_path=model, max_length=64), ["negative", "positive"], cfg, run_dir)
+result = fit(tokenized, ModelConfig(name_or_path=model, max_length=64), ["negative", "positive"], cfg, RunStore(root, "tp"))
 print(json.dumps([sizes.get(node, 1) for node in result.nodes]), flush=True)
 ray.shutdown()
 cluster.shutdown()
@@ -364,7 +366,7 @@ def test_tensor_parallel_groups_are_placed_within_a_node(tokenized, tiny_model, 
     one elsewhere, so one group spanned two nodes; placed, each group is on a node of its own."""
     _, uris = tokenized
     run = subprocess.run(
-        [sys.executable, "-c", ON_THREE_NODES, json.dumps(uris), str(tiny_model), str(tmp_path / "run")],
+        [sys.executable, "-c", ON_THREE_NODES, json.dumps(uris), str(tiny_model), str(tmp_path)],
         cwd=Path(__file__).parents[1],
         capture_output=True,
         text=True,
