@@ -21,13 +21,12 @@ import yaml
 from prefect.client.orchestration import get_client
 from prefect.deployments.runner import EntrypointType, RunnerDeployment
 from prefect.events import DeploymentEventTrigger
-from prefect.exceptions import ParameterTypeError, SignatureMismatchError
 from prefect.schedules import Cron
 from pydantic import ValidationError
 
 from flows.batch_infer import batch_infer
 from flows.finetune import finetune
-from tasks.config import FinetuneParams, SafeName, Strict, one_line
+from tasks.config import BatchInferParams, FinetuneParams, SafeName, Strict, one_line
 from tasks.events import DATA_ARRIVED, PROMOTED
 from tasks.train import TRAINING_TAG
 
@@ -50,7 +49,7 @@ class RelabelFile(Strict):
     name: str
     model_name: SafeName
     input_uri: str | list[str]
-    parameters: dict = {}  # batch_infer's others (batch_size, actors, ...), checked against the flow below
+    parameters: dict = {}  # batch_infer's others (batch_size, actors, ...), checked as BatchInferParams below
 
 
 def read(model: type[Strict], path: Path) -> Strict:
@@ -103,9 +102,9 @@ def relabelling(config: RelabelFile, path: Path) -> RunnerDeployment:
         **config.parameters,
     }
     try:
-        batch_infer.validate_parameters({**on_promotion, "model_uri": "m", "output_uri": "o"})
-    except (ParameterTypeError, SignatureMismatchError) as error:
-        raise ValueError(f"{path}: parameters: {' '.join(str(error).split())}") from None
+        BatchInferParams.model_validate(on_promotion)
+    except ValidationError as error:
+        raise ValueError(f"{path}: parameters: {one_line(error)}") from None
     return batch_infer.to_deployment(
         name=config.name,
         tags=["inference"],
@@ -115,7 +114,7 @@ def relabelling(config: RelabelFile, path: Path) -> RunnerDeployment:
                 name=f"{config.model_name} promoted",
                 expect={PROMOTED},
                 match={"prefect.resource.id": f"ftflow.model.{config.model_name}"},
-                parameters=on_promotion,
+                parameters={"params": on_promotion},
             )
         ],
         description=f"Label {config.input_uri} with each new champion of {config.model_name} (event {PROMOTED}); from {path.name}.",

@@ -15,10 +15,11 @@ cluster work. Bad input is one line and exit code 2; any other failure one line 
 
 from __future__ import annotations
 
+import inspect
 import json
 import sys
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -28,7 +29,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from flows import console
-from tasks.config import FinetuneParams, InferenceConfig, default_storage_root, one_line
+from tasks.config import RAY_ADDRESS, BatchInferParams, FinetuneParams, default_storage_root, one_line
 from tasks.config import first_line as config_first_line
 
 app = typer.Typer(
@@ -52,10 +53,6 @@ BAD_INPUT = (ValidationError, ValueError, FileNotFoundError, NotADirectoryError,
 
 class BadInput(Exception):
     """A parameter the command refuses: one line, exit code 2."""
-
-
-def about(field: str, model: type[BaseModel] = InferenceConfig) -> str:
-    return escape(model.model_fields[field].description or "")
 
 
 def fields(model: type[BaseModel], prefix: str = "") -> Iterator[tuple[str, Any, str]]:
@@ -194,54 +191,79 @@ def params(
     )
 
 
+# `ftflow infer`'s arguments; each other field of BatchInferParams is an option of the same name.
+INFER_ARGUMENTS = ("model_uri", "input_uri", "output_uri")
+
+
+def with_infer_options(command: Callable) -> Callable:
+    """command, taking an option per BatchInferParams field past its arguments, with the field's
+    description and default as help: generated, so the command and the flow's form cannot drift.
+    (typer reads a command's options from its signature only.)"""
+    options = [
+        inspect.Parameter(
+            name,
+            inspect.Parameter.KEYWORD_ONLY,
+            default=None,
+            annotation=Annotated[
+                str | None,
+                typer.Option(
+                    f"--{name.replace('_', '-')}",
+                    metavar=name.upper(),
+                    help=escape(
+                        field.description + (f" [default: {field.default}]" if field.default is not None else "")
+                    ),
+                    show_default=False,
+                ),
+            ],
+        )
+        for name, field in BatchInferParams.model_fields.items()
+        if name not in INFER_ARGUMENTS
+    ]
+    signature = inspect.signature(command, eval_str=True)
+    named = [p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    arguments = [p.replace(kind=inspect.Parameter.POSITIONAL_OR_KEYWORD) for p in named if p.name in INFER_ARGUMENTS]
+    flags = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in named if p.name not in INFER_ARGUMENTS]
+    command.__signature__ = signature.replace(parameters=[*arguments, *options, *flags])
+    return command
+
+
 @app.command()
+@with_infer_options
 def infer(
     model_uri: Annotated[
-        str,
-        typer.Argument(
-            metavar="MODEL",
-            help="A model folder (local or s3://), or models/<name>@champion: the "
-            "registry's champion under --storage-root.",
-        ),
+        str, typer.Argument(metavar="MODEL", help=escape(BatchInferParams.model_fields["model_uri"].description))
     ],
     input_uri: Annotated[
         list[str], typer.Argument(metavar="INPUT", help="Files, folders or globs to label (local or s3://).")
     ],
     output_uri: Annotated[
-        str,
-        typer.Argument(
-            metavar="OUTPUT", help="Where the Parquet predictions go: a new folder, or one an earlier ftflow job wrote."
-        ),
+        str, typer.Argument(metavar="OUTPUT", help=BatchInferParams.model_fields["output_uri"].description)
     ],
-    text_column: Annotated[str, typer.Option(help="The column holding the text.")] = "text",
-    id_column: Annotated[str | None, typer.Option(help=about("id_column"))] = None,
-    batch_size: Annotated[int, typer.Option(help="Rows per forward pass.")] = 64,
-    window_rows: Annotated[int | None, typer.Option(help=about("window_rows"))] = None,
-    actors: Annotated[int | None, typer.Option(help=about("actors"))] = None,
-    device: Annotated[str, typer.Option(help=about("device"))] = "auto",
-    precision: Annotated[str, typer.Option(help=about("precision"))] = "auto",
-    wait_for_actors_s: Annotated[float | None, typer.Option(help=about("wait_for_actors_s"))] = None,
-    timeout_s: Annotated[float | None, typer.Option(help=about("timeout_s"))] = None,
-    ray_address: Annotated[str | None, typer.Option(help=about("ray_address", FinetuneParams))] = None,
-    storage_root: Annotated[
-        str | None, typer.Option(help="Where models/ is; default: FTFLOW_STORAGE_ROOT or ./artifacts.")
-    ] = None,
     verbose: Verbose = False,
     debug: Debug = False,
+    **options: str | None,
 ) -> None:
     """Label every row of INPUT with MODEL: the batch_infer flow; Parquet (id, text, label, score) in OUTPUT."""
-    given = {name: value for name, value in locals().items() if name not in ("verbose", "debug") and value is not None}
-    given["input_uri"] = input_uri if len(input_uri) > 1 else input_uri[0]
-    cfg = InferenceConfig.model_validate(
-        {name: value for name, value in given.items() if name in InferenceConfig.model_fields}
-    )
+    given = {name: value(text) for name, text in options.items() if text is not None}
+    try:
+        params = BatchInferParams.model_validate(
+            {
+                "model_uri": model_uri,
+                "input_uri": input_uri[0] if len(input_uri) == 1 else input_uri,
+                "output_uri": output_uri,
+                **given,
+            }
+        )
+    except ValidationError as error:
+        raise BadInput(one_line(error)) from None
     from tasks.checks import inference_inputs, inference_model  # the flow's own checks, before anything starts
 
-    inference_inputs(inference_model(model_uri, storage_root or default_storage_root()), cfg, output_uri)
+    model = inference_model(params.model_uri, params.storage_root or default_storage_root())
+    inference_inputs(model, params.inference, params.output_uri)
     from flows.batch_infer import batch_infer  # Prefect and the ML stack load only now
 
     with console.session(verbose) as say:
-        result = batch_infer(**given)
+        result = batch_infer(params)
         say.result({"rows": f"{result['rows']:,}", "rows/s": f"{result['rows_per_s']:,.0f}", "predictions": output_uri})
 
 
@@ -309,7 +331,7 @@ def deploy(
 
 @app.command()
 def doctor(
-    ray_address: Annotated[str | None, typer.Option(help=about("ray_address", FinetuneParams))] = None,
+    ray_address: Annotated[str | None, typer.Option(help=escape(RAY_ADDRESS))] = None,
     storage_root: Annotated[
         str | None, typer.Option(help="The storage root to check; default: FTFLOW_STORAGE_ROOT or ./artifacts.")
     ] = None,

@@ -59,7 +59,7 @@ def finetune(params: FinetuneParams = FinetuneParams()) -> dict:
             tokenized, params.model, params.data.label_names, params.train, store, params.ray_address
         )
     with took("evaluate"):
-        metrics = evaluate(store.model_dir, inputs.splits["test"], store.metrics, params.ray_address)
+        metrics = evaluate(store, inputs.splits["test"], inputs.inference, params.ray_address)
     with took("promote"):
         promotion = promote(
             store.model_dir,

@@ -107,14 +107,22 @@ def inference_model(model_uri: str, root: str) -> str:
 def inference_inputs(model_uri: str, cfg: InferenceConfig, output_uri: str) -> list[str]:
     """The files to label; refused: a model that is not a saved model's folder, no files, one that
     cannot be read or lacks the text or id column, an output among the inputs or the model, an output
-    folder holding files ftflow did not write."""
+    folder holding files ftflow did not write. The files are read once per process while they are
+    unchanged, as splits_of reads the splits: `ftflow infer` checks them before Prefect starts, and
+    its flow finds them checked. The output is checked each time: it is not ftflow's to cache."""
     saved_model(model_uri, "model_uri")
     if cfg.input_uri is None:
         raise ValueError("input_uri: no files to label")
-    files = unlabelled_files(cfg.input_uri, cfg.text_column or "text", cfg.id_column)
+    found = tuple((uri, storage.fingerprint(uri)) for uri in expand_inputs(cfg.input_uri))
+    files = list(_columns_checked(found, cfg.text_column or "text", cfg.id_column))
     refuse_overlap(
         [output_uri], [model_uri, *([cfg.input_uri] if isinstance(cfg.input_uri, str) else cfg.input_uri), *files]
     )
     check_writable(output_uri, "output_uri")
     OutputFolder(output_uri).check()
     return files
+
+
+@functools.lru_cache(maxsize=2)
+def _columns_checked(found: tuple, text_column: str, id_column: str | None) -> tuple[str, ...]:
+    return tuple(unlabelled_files([uri for uri, _ in found], text_column, id_column))

@@ -322,9 +322,9 @@ class InferenceConfig(Strict):
         None,
         description="Files to label: files, directories or globs (local or s3://), or a list of them; default: the test split.",
     )
-    text_column: str | None = Field(None, description="Default: the data's text column.")
+    text_column: str | None = Field(None, description="The column holding the text; default: the data's, else 'text'.")
     id_column: str | None = Field(None, description="Column holding row ids; default: '<file>:<row>'.")
-    batch_size: int = Field(64, ge=1)
+    batch_size: int = Field(64, ge=1, description="Rows per forward pass (evaluation's too).")
     actors: int | None = Field(
         None,
         ge=1,
@@ -372,6 +372,34 @@ class PromotionConfig(Strict):
     )
 
 
+RAY_ADDRESS = (
+    "An existing Ray cluster: from outside it, its Job API (http://<head>:8265: each stage runs there as a Ray "
+    "Job); on its network, <head>:6379 or 'auto'. Default: RAY_ADDRESS, else a local Ray."
+)
+
+
+class BatchInferParams(InferenceConfig):
+    """The batch_infer flow's parameters (its form in the UI, `ftflow infer`'s arguments and options):
+    a model, the files it labels and where the labels go, and InferenceConfig's settings, which the
+    finetune flow's labelling shares."""
+
+    model_uri: str = Field(
+        description="A model folder (local or s3://), or models/<name>@champion: the registry's champion under storage_root."
+    )
+    input_uri: str | list[str] = Field(
+        description="Files to label: files, directories or globs (local or s3://), or a list of them."
+    )
+    output_uri: str = Field(
+        description="Where the Parquet predictions go: a new folder, or one an earlier ftflow job wrote."
+    )
+    storage_root: str | None = Field(None, description="Where models/ is; default: FTFLOW_STORAGE_ROOT or ./artifacts.")
+    ray_address: str | None = Field(None, description=RAY_ADDRESS)
+
+    @property
+    def inference(self) -> InferenceConfig:
+        return InferenceConfig.model_validate(self.model_dump(include=set(InferenceConfig.model_fields)))
+
+
 class FinetuneParams(Strict):
     data: DataConfig = DataConfig()
     model: ModelConfig = ModelConfig()
@@ -392,12 +420,7 @@ class FinetuneParams(Strict):
         description="Default: a new id from the time and the flow run. "
         "Letters, digits, '.', '_', '-'; the same id resumes that run.",
     )
-    ray_address: str | None = Field(
-        None,
-        description="An existing Ray cluster: from outside it, its Job API (http://<head>:8265: "
-        "each stage runs there as a Ray Job); on its network, <head>:6379 or 'auto'. "
-        "Default: RAY_ADDRESS, else a local Ray.",
-    )
+    ray_address: str | None = Field(None, description=RAY_ADDRESS)
 
     def inputs(self) -> list[str]:
         """Every location the run reads, as given (files, folders, globs): outputs must stay apart."""

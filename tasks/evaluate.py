@@ -8,9 +8,11 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from tasks import cluster, jobs, storage
+from tasks.config import InferenceConfig
 from tasks.data import Split, shown
 from tasks.predictor import confusion
 from tasks.retries import RETRY_TRANSIENT
+from tasks.storage import RunStore
 
 
 def metrics_of(counts: np.ndarray, label_names: list[str]) -> dict:
@@ -37,21 +39,25 @@ def confusion_markdown(metrics: dict) -> str:
     return "\n".join(lines)
 
 
-def score(model_uri: str, test: Split) -> dict:
+def score(model_uri: str, test: Split, batch_size: int) -> dict:
     """Accuracy, macro F1 and the confusion matrix of a model on a split, computed on the cluster by
-    the inference code (tasks/predictor.py) with the CPUs (or a GPU) it has to spare. Ray work:
-    tasks/jobs.py runs it where the cluster is."""
+    the inference code (tasks/predictor.py), batch_size rows a forward pass, with the CPUs (or a GPU)
+    it has to spare. Ray work: tasks/jobs.py runs it where the cluster is."""
     resources = cluster.Resources.of_cluster()
     remote = ray.remote(confusion).options(num_cpus=resources.task_cpus(), num_gpus=min(1, resources.gpus))
-    counts, label_names = ray.get(remote.remote(model_uri, test, resources.task_cpus()))
+    counts, label_names = ray.get(remote.remote(model_uri, test, batch_size, resources.task_cpus()))
     return metrics_of(counts, label_names)
 
 
 @task(**RETRY_TRANSIENT)
-def evaluate(model_uri: str, test: Split, metrics_uri: str, ray_address: str | None = None) -> dict:
-    """Accuracy, macro F1 and the confusion matrix on the test split -> metrics.json + artifacts."""
-    metrics = jobs.run(score, ray_address, get_run_logger(), model_uri=model_uri, test=test)
-    storage.write_json(metrics_uri, metrics)
+def evaluate(store: RunStore, test: Split, inference: InferenceConfig, ray_address: str | None = None) -> dict:
+    """Accuracy, macro F1 and the confusion matrix of the run's model on the test split, predicted as
+    batch inference predicts (inference.batch_size) -> the run's metrics.json + artifacts."""
+    model_uri = store.model_dir
+    metrics = jobs.run(
+        score, ray_address, get_run_logger(), model_uri=model_uri, test=test, batch_size=inference.batch_size
+    )
+    storage.write_json(store.metrics, metrics)
     create_table_artifact(
         key="test-metrics",
         table=[

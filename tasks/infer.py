@@ -16,9 +16,8 @@ from prefect.artifacts import create_table_artifact
 from ray.data import DataContext
 
 from tasks import cluster, jobs, storage
-from tasks.checks import inference_inputs
 from tasks.config import InferenceConfig
-from tasks.data import cut, numbered, rows_per_byte
+from tasks.data import cut, expand_inputs, numbered, rows_per_byte
 from tasks.labeller import Labeller
 from tasks.live import Tracked
 from tasks.progress import Tick, log_tick, periodically
@@ -57,8 +56,8 @@ class Progress:
 @task(**RETRY_TRANSIENT)
 def predict_files(model_uri: str, cfg: InferenceConfig, output_uri: str, ray_address: str | None = None) -> dict:
     """Label every row of every file cfg.input_uri names; Parquet (id, text, label, score) at
-    output_uri, complete once output_uri/_SUCCESS.json exists (rows, input and model fingerprints)."""
-    inference_inputs(model_uri, cfg, output_uri)  # bad input stops here, before any cluster work
+    output_uri, complete once output_uri/_SUCCESS.json exists (rows, input and model fingerprints). The flows check the inputs
+    first (tasks/checks.py)."""
     with Tracked(
         "batch-inference-progress", "Batch inference: % of the rows labelled (estimated until every part is read)"
     ) as progress:
@@ -72,10 +71,10 @@ def predict_files(model_uri: str, cfg: InferenceConfig, output_uri: str, ray_add
 
 
 def labelled(model_uri: str, cfg: InferenceConfig, output_uri: str) -> dict:
-    """The stage's Ray work (tasks/jobs.py runs it where the cluster is): the inputs as the cluster
+    """The stage's Ray work (tasks/jobs.py runs it where the cluster is): the files as the cluster
     sees them, cut into parts, then one Ray Data pipeline of model actors, each labelling a part per
     call (tasks/labeller.py)."""
-    files = inference_inputs(model_uri, cfg, output_uri)
+    files = expand_inputs(cfg.input_uri)
     text_column, output = cfg.text_column or "text", storage.OutputFolder(output_uri)
     sizes = {uri: storage.size(uri) for uri in files}  # once: for the actors and the parts
     resources = cluster.Resources.of_cluster()

@@ -52,7 +52,7 @@ class Predictor:
     and batches neighbours, so a batch pads to its own length rather than to the longest text of a
     random draw."""
 
-    def __init__(self, model_uri: str, batch_size: int = 64, threads: int | None = None, precision: str = "auto"):
+    def __init__(self, model_uri: str, batch_size: int, threads: int | None = None, precision: str = "auto"):
         folder = local_model(model_uri)
         if threads:
             torch.set_num_threads(threads)
@@ -95,10 +95,10 @@ class Predictor:
         return torch.from_numpy(input_ids).to(self.device), torch.from_numpy(attention_mask).to(self.device)
 
 
-def confusion(model_uri: str, split: Split, threads: int) -> tuple[np.ndarray, list[str]]:
+def confusion(model_uri: str, split: Split, batch_size: int, threads: int) -> tuple[np.ndarray, list[str]]:
     """The confusion matrix (true x predicted) of a model on a labelled split, streamed a chunk at a
     time, and the model's label names: run as a Ray task, so no model is loaded by the driver."""
-    predictor = Predictor(model_uri, threads=threads)
+    predictor = Predictor(model_uri, batch_size, threads)
     ids = list(range(len(predictor.label_names)))
     counts = np.zeros((len(ids), len(ids)), dtype=np.int64)
     for uri in split.uris:

@@ -24,7 +24,7 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 
 from tasks import events, jobs, storage
-from tasks.config import PromotionConfig
+from tasks.config import InferenceConfig, PromotionConfig
 from tasks.data import Split
 from tasks.evaluate import metrics_of, score
 from tasks.retries import RETRY_TRANSIENT
@@ -45,7 +45,11 @@ def champions_score(current: dict, test: Split, metric: str, ray_address: str | 
         metric,
     ):
         return current["value"]
-    return jobs.run(score, ray_address, get_run_logger(), model_uri=current["model_uri"], test=test)[metric]
+    # The default batch size: it sets the speed, not the labels.
+    batch_size = InferenceConfig().batch_size
+    return jobs.run(
+        score, ray_address, get_run_logger(), model_uri=current["model_uri"], test=test, batch_size=batch_size
+    )[metric]
 
 
 def floor(metrics: dict, cfg: PromotionConfig) -> tuple[float, bool, str]:

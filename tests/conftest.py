@@ -147,6 +147,17 @@ def prefect_server():
         yield
 
 
+def run_batch_infer(
+    model_uri: str, input_uri: str | list[str], output_uri: str, return_state: bool = False, **settings
+):
+    """The batch_infer flow on these, as its form or `ftflow infer` starts it."""
+    from flows.batch_infer import batch_infer
+    from tasks.config import BatchInferParams
+
+    params = BatchInferParams(model_uri=model_uri, input_uri=input_uri, output_uri=output_uri, **settings)
+    return batch_infer(params, return_state=return_state)
+
+
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().split("\n") if line]
 

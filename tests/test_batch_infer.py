@@ -13,11 +13,10 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import write_jsonl
+from conftest import run_batch_infer, write_jsonl
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, LogFilter, LogFilterFlowRunId
 
-from flows.batch_infer import batch_infer
 from tasks import cluster, infer, storage
 from tasks.data import DataError, Piece, iter_frames
 from tasks.storage import MARKER
@@ -52,7 +51,7 @@ def prefect_records(flow_run_id) -> tuple[list[str], dict[str, object]]:
 
 def test_every_row_of_every_file_gets_one_prediction(ray_cluster, tiny_model, corpus, tmp_path, monkeypatch):
     monkeypatch.setattr(infer, "PROGRESS_EVERY_S", 0.5)
-    state = batch_infer(str(tiny_model), str(corpus), str(tmp_path / "predictions"), return_state=True)
+    state = run_batch_infer(str(tiny_model), str(corpus), str(tmp_path / "predictions"), return_state=True)
     out = state.result()
     assert out.pop("seconds") > 0 and out.pop("rows_per_s") > 0 and out.pop("parts") == 3
     assert out.pop("actors") == 1, "600 rows: one actor with every CPU, not two each starting a model"
@@ -83,7 +82,7 @@ def test_every_row_of_every_file_gets_one_prediction(ray_cluster, tiny_model, co
 
 
 def test_an_id_column_names_the_rows(ray_cluster, tiny_model, corpus, tmp_path):
-    batch_infer(str(tiny_model), str(corpus / "c.parquet"), str(tmp_path / "predictions"), id_column="doc")
+    run_batch_infer(str(tiny_model), str(corpus / "c.parquet"), str(tmp_path / "predictions"), id_column="doc")
     table = pq.read_table(tmp_path / "predictions").to_pandas()
     assert sorted(table["id"]) == sorted(f"d{i}" for i in range(100))
 
@@ -91,13 +90,13 @@ def test_an_id_column_names_the_rows(ray_cluster, tiny_model, corpus, tmp_path):
 def test_missing_input_or_model_is_refused_before_ray(tiny_model, tmp_path):
     """As a run from the UI or the on-promotion deployment meets them: in the flow, before any cluster work."""
     with pytest.raises(DataError, match="no input files found"):
-        batch_infer(str(tiny_model), str(tmp_path / "nowhere" / "*.jsonl"), str(tmp_path / "out"))
+        run_batch_infer(str(tiny_model), str(tmp_path / "nowhere" / "*.jsonl"), str(tmp_path / "out"))
     with pytest.raises(ValueError, match=f"^model_uri {tmp_path}/no-model: no such folder$"):
-        batch_infer(str(tmp_path / "no-model"), str(tmp_path / "nowhere" / "*.jsonl"), str(tmp_path / "out"))
+        run_batch_infer(str(tmp_path / "no-model"), str(tmp_path / "nowhere" / "*.jsonl"), str(tmp_path / "out"))
     with pytest.raises(
         ValueError, match="^model_uri models/nobody@champion: the registry entry 'nobody' under .* has no champion yet"
     ):
-        batch_infer(
+        run_batch_infer(
             "models/nobody@champion",
             str(tmp_path / "nowhere" / "*.jsonl"),
             str(tmp_path / "out"),
@@ -107,7 +106,7 @@ def test_missing_input_or_model_is_refused_before_ray(tiny_model, tmp_path):
 
 def test_a_list_of_inputs_shared_by_two_actors_in_small_windows(ray_cluster, tiny_model, corpus, tmp_path):
     inputs = [str(corpus / "sub"), str(corpus / "*.jsonl"), str(corpus / "a.jsonl")]
-    out = batch_infer(str(tiny_model), inputs, str(tmp_path / "predictions"), window_rows=64, actors=2)
+    out = run_batch_infer(str(tiny_model), inputs, str(tmp_path / "predictions"), window_rows=64, actors=2)
     assert out["rows"] == 500 and out["files"] == 2  # a.jsonl named twice is read once
     assert out["parts"] > 2, "a.jsonl cut into pieces, so that both actors have work"
     table = pq.read_table(tmp_path / "predictions").to_pandas().set_index("id")
@@ -119,7 +118,7 @@ def test_a_list_of_inputs_shared_by_two_actors_in_small_windows(ray_cluster, tin
 
 def test_bf16_on_cpu_labels_every_row_within_rounding_of_fp32(ray_cluster, tiny_model, corpus, tmp_path):
     for precision in ("fp32", "bf16"):
-        batch_infer(str(tiny_model), str(corpus / "a.jsonl"), str(tmp_path / precision), precision=precision)
+        run_batch_infer(str(tiny_model), str(corpus / "a.jsonl"), str(tmp_path / precision), precision=precision)
     exact, rounded = (pq.read_table(tmp_path / p).to_pandas().set_index("id").sort_index() for p in ("fp32", "bf16"))
     assert list(rounded.index) == list(exact.index)
     gap = (rounded["score"] - exact["score"]).abs()
@@ -135,7 +134,7 @@ def test_a_million_rows_over_many_files_get_one_prediction_each(ray_cluster, tin
             tmp_path / "corpus" / f"part-{f:03d}.jsonl", [{"doc": f"d{i}", "text": f"film {i} was fun"} for i in ids]
         )
     inputs = [str(path) for path in sorted((tmp_path / "corpus").iterdir())]
-    out = batch_infer(str(tiny_model), inputs, str(tmp_path / "predictions"), id_column="doc")
+    out = run_batch_infer(str(tiny_model), inputs, str(tmp_path / "predictions"), id_column="doc")
     assert out["rows"] == files * per_file
     ids = pq.read_table(tmp_path / "predictions", columns=["id"]).column("id").to_pandas()
     assert ids.is_unique and set(ids) == {f"d{i}" for i in range(files * per_file)}
@@ -177,8 +176,14 @@ def test_a_job_killed_mid_way_and_run_again_labels_every_row_once(ray_stopped, t
         )
     output = tmp_path / "predictions"
     job = (str(tiny_model), str(tmp_path / "corpus"), str(output))
+    flow = "from flows.batch_infer import batch_infer; from tasks.config import BatchInferParams; batch_infer(BatchInferParams("
+    model, inputs, out = job
     driver = subprocess.Popen(
-        [sys.executable, "-c", f"from flows.batch_infer import batch_infer; batch_infer(*{job!r}, id_column='doc')"],
+        [
+            sys.executable,
+            "-c",
+            f"{flow}model_uri={model!r}, input_uri={inputs!r}, output_uri={out!r}, id_column='doc'))",
+        ],
         cwd=Path(__file__).parents[1],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -194,7 +199,7 @@ def test_a_job_killed_mid_way_and_run_again_labels_every_row_once(ray_stopped, t
     assert not (output / MARKER).exists(), "a killed job's output looks complete"
 
     cluster.connect()
-    assert batch_infer(*job, id_column="doc")["rows"] == files * per_file
+    assert run_batch_infer(*job, id_column="doc")["rows"] == files * per_file
     ids = pq.read_table(output, columns=["id"]).column("id").to_pandas()
     assert ids.is_unique and set(ids) == {f"d{i}" for i in range(files * per_file)}
     marker = json.loads((output / MARKER).read_text())

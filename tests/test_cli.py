@@ -17,7 +17,7 @@ from conftest import FTFLOW, free_port, read_jsonl, write_jsonl
 from test_flow import params
 
 from flows import console
-from tasks.config import SHIPPED_DATA, FinetuneParams
+from tasks.config import SHIPPED_DATA, BatchInferParams, FinetuneParams
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -166,7 +166,13 @@ def test_help_shows_every_field_with_its_description_and_params_writes_the_defau
         ("inference.precision", FinetuneParams.model_fields["inference"].annotation.model_fields["precision"]),
     ]:
         assert name in text and " ".join(field.description.split())[:40] in text
-    assert "--batch-size" in ftflow("infer", "--help").stdout
+    # infer: an option per field of the flow's parameters but its three arguments, with its description
+    shown = " ".join(ftflow("infer", "--help", COLUMNS="400").stdout.split())
+    for name, field in BatchInferParams.model_fields.items():
+        if name not in ("model_uri", "input_uri", "output_uri"):
+            assert f"--{name.replace('_', '-')} {name.upper()} {' '.join(field.description.split())[:60]}" in shown, (
+                name
+            )
     written = ftflow("params")
     assert FinetuneParams.model_validate(yaml.safe_load(written.stdout)) == FinetuneParams()
     assert "# DeepSpeed ZeRO: 0 replicates the model" in written.stdout

@@ -26,6 +26,12 @@ from test_flow import check_run, params
 from tasks import cluster, storage
 
 ROOT = Path(__file__).resolve().parents[1]
+# The batch_infer flow on a model, its input and output from the command line (the script closes its call).
+BATCH_INFER = (
+    "import sys; from flows.batch_infer import batch_infer; from tasks.config import BatchInferParams; "
+    "model, inputs, out = sys.argv[1:]; "
+    "batch_infer(BatchInferParams(model_uri=model, input_uri=inputs, output_uri=out"
+)
 BIN = Path(sys.executable).parent
 
 
@@ -197,7 +203,7 @@ def test_finetune_from_outside_the_cluster_as_ray_jobs(tiny_model, s3_data, tmp_
             [
                 sys.executable,
                 "-c",
-                "import sys; from flows.batch_infer import batch_infer; batch_infer(*sys.argv[1:], device='gpu')",
+                f"{BATCH_INFER}, device='gpu'))",
                 str(tiny_model),
                 s3_data["test"],
                 f"s3://{BUCKET}/never",
@@ -291,7 +297,7 @@ def test_flows_run_against_a_prefect_server_that_requires_an_auth_string(tiny_mo
             [
                 sys.executable,
                 "-c",
-                "import sys; from flows.batch_infer import batch_infer; batch_infer(*sys.argv[1:])",
+                f"{BATCH_INFER}))",
                 str(tiny_model),
                 str(tmp_path / "corpus"),
                 str(labels),
@@ -434,8 +440,7 @@ def test_finetune_on_a_cluster_that_grows_and_shrinks(tiny_model, s3_data, tmp_p
             [
                 sys.executable,
                 "-c",
-                "import sys; from flows.batch_infer import batch_infer; "
-                "batch_infer(*sys.argv[1:], device='gpu', wait_for_actors_s=10)",
+                f"{BATCH_INFER}, device='gpu', wait_for_actors_s=10))",
                 str(tiny_model),
                 s3_data["test"],
                 str(tmp_path / "labels"),

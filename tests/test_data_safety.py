@@ -8,11 +8,10 @@ import uuid
 
 import pyarrow.parquet as pq
 import pytest
-from conftest import BUCKET
+from conftest import BUCKET, run_batch_infer
 from pydantic import ValidationError
 from test_flow import params
 
-from flows.batch_infer import batch_infer
 from flows.finetune import finetune
 from tasks import storage
 from tasks.config import FinetuneParams
@@ -57,7 +56,7 @@ def corpus(place) -> Place:
 def refused(place: Place, model: str, inputs: str, output: str, match: str) -> None:
     before = place.snapshot()
     with pytest.raises(UnsafeOutput, match=match):
-        batch_infer(model, inputs, output)
+        run_batch_infer(model, inputs, output)
     assert place.snapshot() == before, "a refused job changed the user's files"
 
 
@@ -104,11 +103,11 @@ def test_a_rerun_replaces_exactly_its_own_earlier_output(ray_cluster, tiny_model
     user.write("corpus/b.jsonl", b"".join(b'{"text": "plot %d bored me"}\n' % i for i in range(100)))
     user.write("NOTES.txt", b"beside the output, the user's own\n")
     out = Place(user.uri("labels"))
-    batch_infer(str(tiny_model), user.uri("corpus/a.jsonl"), out.uri())
+    run_batch_infer(str(tiny_model), user.uri("corpus/a.jsonl"), out.uri())
     first = set(out.snapshot())
     theirs = {name: data for name, data in user.snapshot().items() if name not in first}
 
-    batch_infer(str(tiny_model), user.uri("corpus/b.jsonl"), out.uri())
+    run_batch_infer(str(tiny_model), user.uri("corpus/b.jsonl"), out.uri())
     marker = storage.read_json(out.uri(MARKER))
     now = out.snapshot()
     assert set(now) == {out.uri(name) for name in [*marker["files"], MARKER]}, "only the new job's files and marker"
@@ -126,11 +125,11 @@ def test_a_failed_jobs_remains_are_replaced_by_the_next_one(ray_cluster, tiny_mo
     user.write("corpus/z.jsonl", b'{"text": "a fine film"}\n{"text": "cut off\n')
     out = Place(user.uri("labels"))
     with pytest.raises(Exception, match="z.jsonl: cannot be read as jsonl"):
-        batch_infer(str(tiny_model), user.uri("corpus"), out.uri())
+        run_batch_infer(str(tiny_model), user.uri("corpus"), out.uri())
     assert CLAIM in {name.rsplit("/", 1)[-1] for name in out.snapshot()} and not storage.exists(out.uri(MARKER))
 
     # The failed job's actors are gone with it: this one gets their CPUs at once.
-    batch_infer(str(tiny_model), user.uri("corpus/a.jsonl"), out.uri(), wait_for_actors_s=60)
+    run_batch_infer(str(tiny_model), user.uri("corpus/a.jsonl"), out.uri(), wait_for_actors_s=60)
     marker = storage.read_json(out.uri(MARKER))
     assert set(out.snapshot()) == {out.uri(name) for name in [*marker["files"], MARKER]}
     assert marker["rows"] == 300 == pq.read_table(out.path).num_rows
@@ -166,4 +165,4 @@ def test_names_that_would_leave_their_folder_are_refused(tmp_path):
         with pytest.raises(UnsafeOutput, match="run_id"):
             RunStore(str(tmp_path), name)
     with pytest.raises(UnsafeOutput, match="model name '..'"):
-        batch_infer("models/..@champion", str(tmp_path), str(tmp_path / "out"))
+        run_batch_infer("models/..@champion", str(tmp_path), str(tmp_path / "out"))

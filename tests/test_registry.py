@@ -14,7 +14,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import BUCKET, free_port
+from conftest import BUCKET, free_port, run_batch_infer
 from mlflow import MlflowClient
 from prefect import flow
 from prefect.client.orchestration import get_client
@@ -22,7 +22,6 @@ from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, Fl
 from test_flow import params
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from flows.batch_infer import batch_infer
 from flows.finetune import finetune
 from tasks import storage
 from tasks.config import DataConfig, FinetuneParams, PromotionConfig
@@ -79,7 +78,7 @@ def test_a_model_that_loses_leaves_the_champion_untouched(ray_cluster, tiny_mode
         }
     assert runs[second["run_id"]].data.tags["ftflow.promotion"] == decision["reason"]
 
-    out = batch_infer("models/rt@champion", str(small_data["test"]), str(tmp_path / "labelled"), storage_root=root)
+    out = run_batch_infer("models/rt@champion", str(small_data["test"]), str(tmp_path / "labelled"), storage_root=root)
     assert out["rows"] == 128 and len(pq.read_table(tmp_path / "labelled")) == 128
     assert storage.read_json(str(tmp_path / "labelled" / MARKER))["model"]["uri"] == f"{first['run_dir']}/model"
 
@@ -112,7 +111,7 @@ def test_a_model_that_predicts_one_class_is_not_promoted_even_to_an_empty_entry(
     default floor. The decision, the artifact and the report say which floor applied."""
     model = one_class_model(tiny_model, tmp_path / "one-class")
     test = load_splits(DataConfig())["test"]  # the shipped split: 533 of each class
-    metrics = score(str(model), test)
+    metrics = score(str(model), test, batch_size=64)
     assert (metrics["accuracy"], round(metrics["macro_f1"], 4)) == (0.5, 0.3333)
     root = str(tmp_path / "store")
 

@@ -145,14 +145,16 @@ def check_promotions_were_labelled(client, finetune_runs: list, store: Path) -> 
     }
     assert promoted, "neither run was promoted: the one without a floor, first or second, is"
     for _ in range(60):  # the automation acts within seconds of the event
-        labelling = {run.parameters["model_uri"]: run for run in deployment_runs(client, "batch_infer/on-promotion")}
+        labelling = {
+            run.parameters["params"]["model_uri"]: run for run in deployment_runs(client, "batch_infer/on-promotion")
+        }
         if len(labelling) == len(promoted):
             break
         time.sleep(1)
     assert set(labelling) == set(promoted.values())
     for run in labelling.values():
         assert final(client, run).state.is_completed()
-        labels = Path(run.parameters["output_uri"])
+        labels = Path(run.parameters["params"]["output_uri"])
         assert labels.parent == store / "labels" / "sentiment" and pq.read_table(labels).num_rows == 1066
 
 
