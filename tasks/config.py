@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import os
+from collections.abc import Iterator
 from importlib.util import find_spec
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -268,7 +269,11 @@ class TrainConfig(Strict):
         description="How long a collective (all-reduce, broadcast) waits for every worker "
         "before the workers fail and Ray Train retries them (Ray's default: 30 min).",
     )
-    deepspeed: dict = Field({}, description="Raw DeepSpeed JSON merged over the derived one, for experts.")
+    deepspeed: dict = Field(
+        {},
+        description="Raw DeepSpeed JSON merged over the derived one, for experts; a key derived from a "
+        "field above (zero_optimization.stage, bf16, batch sizes, ...) is refused: set the field.",
+    )
 
     @model_validator(mode="after")
     def _combinations(self) -> TrainConfig:
@@ -306,7 +311,41 @@ class TrainConfig(Strict):
             raise ValueError(
                 f"batch_size={self.batch_size} is not a multiple of micro_batch_size={self.micro_batch_size}"
             )
+        for path in dotted(self.deepspeed):
+            if field := next((f for key, f in DERIVED_DEEPSPEED.items() if f"{key}.".startswith(f"{path}.")), None):
+                raise ValueError(
+                    f"deepspeed.{path} is derived from {field}: set {field} instead (ftflow plans the workers, "
+                    "the strategy and the export from it, not from the raw DeepSpeed JSON)"
+                )
         return self
+
+
+# The DeepSpeed keys tasks/train.py `deepspeed_config` derives from a typed field, and the field: a raw
+# override of one would change the engine but not what ftflow reads from the field.
+DERIVED_DEEPSPEED = {
+    "train_batch_size": "batch_size",
+    "train_micro_batch_size_per_gpu": "micro_batch_size",
+    "gradient_accumulation_steps": "batch_size and micro_batch_size",
+    "gradient_clipping": "max_grad_norm",
+    "zero_optimization.stage": "zero_stage",
+    "zero_optimization.offload_optimizer": "offload_optimizer",
+    "zero_optimization.offload_param": "offload_params",
+    "bf16.enabled": "precision",
+    "fp16.enabled": "precision",
+    "tensor_parallel.autotp_size": "tensor_parallel_size",
+    "optimizer.params.lr": "learning_rate",
+    "optimizer.params.weight_decay": "weight_decay",
+    "scheduler.params.warmup_max_lr": "learning_rate",
+}
+
+
+def dotted(tree: dict, prefix: str = "") -> Iterator[str]:
+    """The dotted path of every leaf of a nested dict (a value other than a dict)."""
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            yield from dotted(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}"
 
 
 InferencePrecision = Literal["auto", "fp32", "bf16"]

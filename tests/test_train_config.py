@@ -113,6 +113,14 @@ def test_a_cluster_that_grows_is_asked_for_what_the_config_says():
             {"pipeline_parallel_size": 2, "tensor_parallel_size": 2},
             "tensor_parallel_size and pipeline_parallel_size cannot both be above 1",
         ),
+        # A raw override of what ftflow derives would change the engine, not ftflow's plan of it.
+        (
+            {"deepspeed": {"zero_optimization": {"stage": 3}}},
+            "deepspeed.zero_optimization.stage is derived from zero_stage",
+        ),
+        ({"deepspeed": {"bf16": {"enabled": True}}}, "deepspeed.bf16.enabled is derived from precision: set precision"),
+        ({"deepspeed": {"bf16": False}}, "deepspeed.bf16 is derived from precision"),
+        ({"deepspeed": {"gradient_clipping": 0.5}}, "deepspeed.gradient_clipping is derived from max_grad_norm"),
     ],
 )
 def test_invalid_combinations_fail_as_parameters(fields, message):
@@ -125,7 +133,7 @@ def test_offload_uses_deepspeeds_cpu_adam_and_raw_overrides_win():
         zero_stage=3,
         offload_optimizer=True,
         offload_params=True,
-        deepspeed={"zero_optimization": {"reduce_bucket_size": 1000}, "gradient_clipping": 0.5},
+        deepspeed={"zero_optimization": {"reduce_bucket_size": 1000}, "steps_per_print": 50},
     )
     ds = deepspeed_config(cfg, plan(cfg, LAPTOP), total_steps=10, hidden_size=384)
     zero = ds["zero_optimization"]
@@ -135,7 +143,7 @@ def test_offload_uses_deepspeeds_cpu_adam_and_raw_overrides_win():
     )
     assert zero["offload_optimizer"]["device"] == zero["offload_param"]["device"] == "cpu"
     assert ds["optimizer"]["params"]["torch_adam"] is False
-    assert ds["gradient_clipping"] == 0.5
+    assert ds["steps_per_print"] == 50
     plain = deepspeed_config(TrainConfig(), plan(TrainConfig(), LAPTOP), total_steps=10)
     assert "offload_optimizer" not in plain["zero_optimization"] and plain["optimizer"]["params"]["torch_adam"] is True
 
