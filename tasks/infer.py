@@ -18,9 +18,9 @@ from ray.data import DataContext
 from tasks import cluster, jobs, storage
 from tasks.config import InferenceConfig
 from tasks.data import cut, expand_inputs, numbered, rows_per_byte
-from tasks.labeller import Labeller
+from tasks.labeller import Counts, Labeller
 from tasks.live import Tracked
-from tasks.progress import Tick, log_tick, periodically
+from tasks.progress import Tick, log_tick, periodically, relayed, tallies
 from tasks.retries import RETRY_TRANSIENT
 
 PROGRESS_EVERY_S = 5.0
@@ -31,26 +31,6 @@ PART_BYTES = 64 << 20  # the most of a file one actor call labels: what a retrie
 # it labels. all-MiniLM-L6-v2 on 2 cores: 1,066 rows in 10.1-10.9 s with one actor against 15.4 s
 # with two; 4,000 rows in 24.4 s against 25.0 s.
 ONE_ACTOR_ROWS = 4_000
-
-
-@ray.remote(num_cpus=0)
-class Progress:
-    """Counts the actors report, polled by the driver for the Prefect logs: Ray Data's own progress
-    bars go to the driver's terminal, not to the logs a person follows in the UI."""
-
-    def __init__(self) -> None:
-        self.parts_done, self.bytes_done, self.rows_done, self.rows_labelled = 0, 0, 0, 0
-
-    def done(self, rows: int, size: int) -> None:
-        self.parts_done += 1
-        self.bytes_done += size
-        self.rows_done += rows
-
-    def labelled(self, rows: int) -> None:
-        self.rows_labelled += rows
-
-    def counts(self) -> tuple[int, int, int, int]:
-        return self.parts_done, self.bytes_done, self.rows_done, self.rows_labelled
 
 
 @task(**RETRY_TRANSIENT)
@@ -101,7 +81,7 @@ def labelled(model_uri: str, cfg: InferenceConfig, output_uri: str) -> dict:
                 "batch_size": cfg.batch_size,
                 "threads": max(1, round(cpus)),
                 "precision": cfg.precision,
-                "progress": progress,
+                "channel": progress,
             },
             batch_size=1,  # a part per call
             batch_format="pandas",
@@ -214,16 +194,17 @@ def estimated_rows(sizes: dict[str, int]) -> float:
 
 
 @contextmanager
-def logging_progress(parts: list[dict], logger) -> Iterator[ray.actor.ActorHandle]:
-    """A Progress actor for the pipeline's actors to report to, and while the pipeline runs, every
-    PROGRESS_EVERY_S: rows labelled of the total, and rows/s. The total is exact once every part is
-    done; before, an estimate from the bytes done so far (counting rows up front would read the
-    corpus twice)."""
-    progress, started = Progress.remote(), time.perf_counter()
-    total_bytes = sum(part["size"] for part in parts)
+def logging_progress(parts: list[dict], logger) -> Iterator[str]:
+    """A channel (tasks/progress.py) for the pipeline's actors to tally their counts on, and while the
+    pipeline runs, every PROGRESS_EVERY_S: rows labelled of the total, and rows/s. The total is exact
+    once every part is done; before, an estimate from the bytes done so far (counting rows up front
+    would read the corpus twice). Ray Data's own progress bars go to the driver's terminal, not to the
+    logs a person follows in the UI."""
+    started, total_bytes = time.perf_counter(), sum(part["size"] for part in parts)
 
-    def report() -> None:
-        parts_done, bytes_done, rows_done, labelled = ray.get(progress.counts.remote())
+    def report() -> None:  # reads `channel`, opened below before the first report
+        counts = [Counts.model_validate_json(value) for value in tallies(channel)]
+        parts_done, bytes_done, rows_done, labelled = (sum(getattr(c, n) for c in counts) for n in Counts.model_fields)
         rate = labelled / (time.perf_counter() - started)
         total = rows_done if parts_done == len(parts) else rows_done * total_bytes / bytes_done if bytes_done else None
         estimated = "" if parts_done == len(parts) else f" (total estimated; {parts_done}/{len(parts)} parts done)"
@@ -239,8 +220,5 @@ def logging_progress(parts: list[dict], logger) -> Iterator[ray.actor.ActorHandl
             ),
         )
 
-    try:
-        with periodically(report, PROGRESS_EVERY_S):
-            yield progress
-    finally:
-        ray.kill(progress)
+    with relayed(logger) as channel, periodically(report, PROGRESS_EVERY_S):
+        yield channel

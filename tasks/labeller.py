@@ -13,17 +13,29 @@ Kept apart from the Prefect tasks: the actors import this module, and no Prefect
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterator
 
 import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
+from pydantic import BaseModel
 
+from tasks import progress
 from tasks.data import DataError, Piece, file_format, iter_frames, reading
 from tasks.predictor import Predictor
 
 LABELS_SCHEMA = pa.schema({"id": pa.string(), "text": pa.string(), "label": pa.string(), "score": pa.float32()})
+
+
+class Counts(BaseModel):
+    """An actor's running counts, tallied on the job's progress channel after each window."""
+
+    parts: int = 0  # parts done
+    bytes: int = 0  # of the parts done
+    rows: int = 0  # of the parts done
+    labelled: int = 0  # rows labelled so far, of parts done or not
 
 
 class Labeller:
@@ -42,17 +54,13 @@ class Labeller:
         batch_size: int,
         threads: int,
         precision: str,
-        progress=None,
+        channel: str | None = None,
     ):
         self.predictor = Predictor(model_uri, batch_size, threads, precision=precision)
         self.label_names = np.asarray(self.predictor.label_names)
         (self.path, self.filesystem), self.job = output, job
-        self.text_column, self.id_column, self.window_rows, self.progress = (
-            text_column,
-            id_column,
-            window_rows,
-            progress,
-        )
+        self.text_column, self.id_column, self.window_rows = text_column, id_column, window_rows
+        self.channel, self.me, self.counts = channel, uuid.uuid4().hex, Counts()
 
     def __call__(self, parts: pd.DataFrame) -> pd.DataFrame:
         return pd.DataFrame(
@@ -87,11 +95,19 @@ class Labeller:
                     )
                 )
                 seen += len(frame)
-                if self.progress:
-                    self.progress.labelled.remote(len(frame))
-        if self.progress:
-            self.progress.done.remote(seen, piece.size)
+                self.counts.labelled += len(frame)
+                self.tally()
+        self.counts.parts, self.counts.bytes, self.counts.rows = (
+            self.counts.parts + 1,
+            self.counts.bytes + piece.size,
+            self.counts.rows + seen,
+        )
+        self.tally()
         return seen
+
+    def tally(self) -> None:
+        if self.channel:
+            progress.tally(self.channel, self.me, self.counts)
 
     def windows(self, piece: Piece) -> Iterator[pd.DataFrame]:
         """The piece's rows, window_rows at a time; the parser's errors (only theirs) as one DataError

@@ -3,9 +3,11 @@
 a progress artifact's percentage (tasks/live.py) and a bar in the `ftflow` console (flows/console.py),
 from this process or from a Ray Job's log (tasks/jobs.py carries ticks on the wire).
 
-Ray workers post ticks, lines (say) and heartbeats (beat) on a channel (relayed) that the stage's
-driver drains: Ray Train returns nothing to the driver until it ends. tasks/watch.py builds training's
-heartbeats, failure lines and stall watch on it. This module imports no Prefect.
+Ray workers post ticks, lines (say), heartbeats (beat) and running counts (tally) on a channel
+(relayed) that the stage's driver drains: Ray Train returns nothing to the driver until it ends, nor
+Ray Data until its pipeline has run. tasks/watch.py builds training's heartbeats, failure lines and
+stall watch on it; batch inference's actors tally the rows they labelled. This module imports no
+Prefect.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ TICK = "ftflow_tick"  # the log record attribute holding a Tick
 STAGE = "ftflow_stage"  # ("start" or "end", the stage): the record marks a flow stage's start or end
 RUN_DIR = "ftflow_run_dir"  # the run's folder, once the run has checked it is ftflow's
 DRAIN_EVERY_S = 1.0
-TICKS, LINES, BEATS = "t/", "l/", "b/"  # a channel's three kinds of key
+TICKS, LINES, BEATS, TALLIES = "t/", "l/", "b/", "c/"  # a channel's four kinds of key
 
 
 class Tick(BaseModel):
@@ -154,6 +156,16 @@ def say(channel: str, level: int, text: str) -> None:
 def beat(channel: str, heartbeat: Beat) -> None:
     """From a Ray worker: its latest heartbeat, replacing the one before."""
     kv()._internal_kv_put(f"{channel}{BEATS}{heartbeat.rank:06d}", heartbeat.model_dump_json(), namespace=NAMESPACE)
+
+
+def tally(channel: str, who: str, counts: BaseModel) -> None:
+    """From a Ray worker or actor: its running counts, replacing the ones before."""
+    kv()._internal_kv_put(f"{channel}{TALLIES}{who}", counts.model_dump_json(), namespace=NAMESPACE)
+
+
+def tallies(channel: str) -> list[bytes]:
+    """Every worker's latest counts on the channel."""
+    return values(channel + TALLIES)
 
 
 def last_beat(channel: str, rank: int) -> Beat | None:
