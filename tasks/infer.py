@@ -36,8 +36,8 @@ ONE_ACTOR_ROWS = 4_000
 @task(**RETRY_TRANSIENT)
 def predict_files(model_uri: str, cfg: InferenceConfig, output_uri: str, ray_address: str | None = None) -> dict:
     """Label every row of every file cfg.input_uri names; Parquet (id, text, label, score) at
-    output_uri, complete once output_uri/_SUCCESS.json exists (rows, input and model fingerprints). The flows check the inputs
-    first (tasks/checks.py)."""
+    output_uri, complete once output_uri/_SUCCESS.json exists (rows, input and model fingerprints).
+    The flows check the inputs first (tasks/checks.py)."""
     with Tracked(
         "batch-inference-progress", "Batch inference: % of the rows labelled (estimated until every part is read)"
     ) as progress:
@@ -68,7 +68,7 @@ def labelled(model_uri: str, cfg: InferenceConfig, output_uri: str) -> dict:
     # Ray Data waits for an actor pool's replicas forever unless told otherwise: a pool no node can
     # hold (or that the autoscaler does not add in time) fails instead, below.
     DataContext.get_current().wait_for_min_actors_s = cfg.wait_for_actors_s
-    with logging_progress(parts, logger) as progress, pool_failures(actors, cpus, gpus, cfg.wait_for_actors_s):
+    with logging_progress(parts, logger) as channel, pool_failures(actors, cpus, gpus, cfg.wait_for_actors_s):
         ray.data.from_items(parts, override_num_blocks=len(parts)).map_batches(
             Labeller,
             fn_constructor_kwargs={
@@ -81,7 +81,7 @@ def labelled(model_uri: str, cfg: InferenceConfig, output_uri: str) -> dict:
                 "batch_size": cfg.batch_size,
                 "threads": max(1, round(cpus)),
                 "precision": cfg.precision,
-                "channel": progress,
+                "channel": channel,
             },
             batch_size=1,  # a part per call
             batch_format="pandas",
