@@ -6,6 +6,7 @@ import logging
 
 from tasks import watch
 from tasks.progress import Beat
+from tasks.storage import RunStore
 
 
 def test_a_stall_is_judged_by_the_recent_step_time_once_steps_flow(monkeypatch, caplog, tmp_path):
@@ -17,7 +18,8 @@ def test_a_stall_is_judged_by_the_recent_step_time_once_steps_flow(monkeypatch, 
         "report",
         lambda folder, workers, stuck: reports.append((workers, stuck)) or "all_reduce (c10d.py:1)",
     )
-    dog = watch.Watchdog(logging.getLogger("ftflow.test"), str(tmp_path), stall_warning_s=None)
+    store = RunStore(str(tmp_path), "stalled")
+    dog = watch.Watchdog(logging.getLogger("ftflow.test"), store.stall, stall_warning_s=None)
 
     def heard(at: float, phase: str, step: int = 0) -> None:
         now[0] = at
@@ -38,7 +40,7 @@ def test_a_stall_is_judged_by_the_recent_step_time_once_steps_flow(monkeypatch, 
     [line] = caplog.messages
     assert line.startswith(
         "training has shown no progress for 31 s: rank 0 is in 'training' at step 100, top frame all_reduce (c10d.py:1); "
-        f"stall report: {tmp_path}/stall/"
+        f"stall report: {tmp_path}/runs/stalled/stall/"
     )
 
     heard(400, watch.TRAINING, step=101)  # progress again; then a slower model's 5 s steps allow 100 s
