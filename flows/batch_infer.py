@@ -5,8 +5,8 @@ from __future__ import annotations
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 
-from tasks.checks import inference_inputs, inference_model
-from tasks.config import BatchInferParams, default_storage_root
+from tasks.checks import batch_infer_inputs
+from tasks.config import BatchInferParams
 from tasks.infer import predict_files
 from tasks.reaper import reap_on_exit
 from tasks.report import Stopwatch, publish_inference_report
@@ -17,9 +17,8 @@ def batch_infer(params: BatchInferParams) -> dict:
     """Label every row of the input files (files, directories or globs; local or s3://) with a model."""
     reap_on_exit()  # this process's Prefect server and local Ray end with it, even if it is killed
     # Bad input stops here, before any cluster work (`ftflow infer` checked it before Prefect started).
-    model_uri = inference_model(params.model_uri, params.storage_root or default_storage_root())
+    model_uri = batch_infer_inputs(params)
     cfg = params.inference
-    inference_inputs(model_uri, cfg, params.output_uri)
     with Stopwatch(get_run_logger())("batch inference"):
         result = predict_files.with_options(timeout_seconds=cfg.timeout_s)(
             model_uri, cfg, params.output_uri, params.ray_address

@@ -202,7 +202,7 @@ def with_infer_options(command: Callable) -> Callable:
     options = [
         inspect.Parameter(
             name,
-            inspect.Parameter.KEYWORD_ONLY,
+            inspect.Parameter.POSITIONAL_OR_KEYWORD,
             default=None,
             annotation=Annotated[
                 str | None,
@@ -221,8 +221,8 @@ def with_infer_options(command: Callable) -> Callable:
     ]
     signature = inspect.signature(command, eval_str=True)
     named = [p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
-    arguments = [p.replace(kind=inspect.Parameter.POSITIONAL_OR_KEYWORD) for p in named if p.name in INFER_ARGUMENTS]
-    flags = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in named if p.name not in INFER_ARGUMENTS]
+    arguments = [p for p in named if p.name in INFER_ARGUMENTS]
+    flags = [p for p in named if p.name not in INFER_ARGUMENTS]  # --verbose, --debug
     command.__signature__ = signature.replace(parameters=[*arguments, *options, *flags])
     return command
 
@@ -256,10 +256,9 @@ def infer(
         )
     except ValidationError as error:
         raise BadInput(one_line(error)) from None
-    from tasks.checks import inference_inputs, inference_model  # the flow's own checks, before anything starts
+    from tasks.checks import batch_infer_inputs  # the flow's own checks, before anything starts
 
-    model = inference_model(params.model_uri, params.storage_root or default_storage_root())
-    inference_inputs(model, params.inference, params.output_uri)
+    batch_infer_inputs(params)
     from flows.batch_infer import batch_infer  # Prefect and the ML stack load only now
 
     with console.session(verbose) as say:

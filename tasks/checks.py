@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tasks import storage
-from tasks.config import DataConfig, FinetuneParams, InferenceConfig
-from tasks.data import SPLITS, Split, expand_inputs, load_splits, unlabelled_files
+from tasks.config import BatchInferParams, DataConfig, FinetuneParams, InferenceConfig, default_storage_root
+from tasks.data import SPLITS, Split, check_columns, expand_inputs, load_splits
 from tasks.registry import resolve
 from tasks.storage import OutputFolder, RunStore, check_writable, refuse_overlap
 
@@ -85,9 +85,7 @@ def run_inputs(params: FinetuneParams, store: RunStore | None) -> RunInputs:
             "text_column": params.inference.text_column or params.data.text_column,
         }
     )
-    inputs = RunInputs(
-        splits, inference, unlabelled_files(inference.input_uri, inference.text_column, inference.id_column)
-    )
+    inputs = RunInputs(splits, inference, files_to_label(inference))
     check_writable(params.storage_root, "storage_root")
     if store is not None:
         store.check()  # and outputs that would overwrite what ftflow did not write
@@ -99,30 +97,29 @@ def run_inputs(params: FinetuneParams, store: RunStore | None) -> RunInputs:
     return inputs
 
 
-def inference_model(model_uri: str, root: str) -> str:
-    """The model batch inference runs: a folder, or `models/<name>@champion` resolved under root."""
-    return saved_model(resolve(model_uri, root), "model_uri")
+def batch_infer_inputs(params: BatchInferParams) -> str:
+    """Every check of a batch-inference job that needs no cluster, and the model it runs (a folder, or
+    `models/<name>@champion` resolved under the storage root). Refused: a model that is not a saved
+    model's folder, no files, one that cannot be read or lacks the text or id column, an output among
+    the inputs or the model, an output folder holding files ftflow did not write."""
+    model_uri = saved_model(resolve(params.model_uri, params.storage_root or default_storage_root()), "model_uri")
+    inputs = [params.input_uri] if isinstance(params.input_uri, str) else params.input_uri
+    refuse_overlap([params.output_uri], [model_uri, *inputs, *files_to_label(params)])
+    check_writable(params.output_uri, "output_uri")
+    OutputFolder(params.output_uri).check()  # each time: an output's state is not ftflow's to cache
+    return model_uri
 
 
-def inference_inputs(model_uri: str, cfg: InferenceConfig, output_uri: str) -> list[str]:
-    """The files to label; refused: a model that is not a saved model's folder, no files, one that
-    cannot be read or lacks the text or id column, an output among the inputs or the model, an output
-    folder holding files ftflow did not write. The files are read once per process while they are
-    unchanged, as splits_of reads the splits: `ftflow infer` checks them before Prefect starts, and
-    its flow finds them checked. The output is checked each time: it is not ftflow's to cache."""
-    saved_model(model_uri, "model_uri")
-    if cfg.input_uri is None:
-        raise ValueError("input_uri: no files to label")
+def files_to_label(cfg: InferenceConfig) -> list[str]:
+    """cfg's files, each holding the text (and id) column; read once per process while they are
+    unchanged, as splits_of reads the splits: `ftflow run` and `ftflow infer` check them before
+    Prefect starts, and their flow finds them checked."""
     found = tuple((uri, storage.fingerprint(uri)) for uri in expand_inputs(cfg.input_uri))
-    files = list(_columns_checked(found, cfg.text_column or "text", cfg.id_column))
-    refuse_overlap(
-        [output_uri], [model_uri, *([cfg.input_uri] if isinstance(cfg.input_uri, str) else cfg.input_uri), *files]
-    )
-    check_writable(output_uri, "output_uri")
-    OutputFolder(output_uri).check()
-    return files
+    return list(_columns_checked(found, cfg.text_column or "text", cfg.id_column))
 
 
 @functools.lru_cache(maxsize=2)
-def _columns_checked(found: tuple, text_column: str, id_column: str | None) -> tuple[str, ...]:
-    return tuple(unlabelled_files([uri for uri, _ in found], text_column, id_column))
+def _columns_checked(found: tuple, text_column: str, id_column: str | None) -> tuple[str, ...]:  # found: the key
+    files = [uri for uri, _ in found]
+    check_columns(files, text_column, id_column)
+    return tuple(files)

@@ -183,6 +183,12 @@ def columns_of(uri: str, fmt: str = "auto") -> list[str] | None:
 def unlabelled_files(uris: str | list[str], text_column: str, id_column: str | None) -> list[str]:
     """Files to label: each found, read as its format, holding the text (and id) column."""
     files = expand_inputs(uris)
+    check_columns(files, text_column, id_column)
+    return files
+
+
+def check_columns(files: list[str], text_column: str, id_column: str | None) -> None:
+    """Each file, read as its format, holds the text (and id) column."""
     for uri in files:
         columns = columns_of(uri)
         missing = [
@@ -190,7 +196,6 @@ def unlabelled_files(uris: str | list[str], text_column: str, id_column: str | N
         ]
         if missing:
             raise DataError(f"{uri}: column '{missing[0]}' not found; columns are {columns}")
-    return files
 
 
 def rows_per_byte(uri: str, fmt: str = "auto", sample_bytes: int = 1 << 20) -> float:
