@@ -147,6 +147,15 @@ def prefect_server():
         yield
 
 
+# A `python -c` script: the batch_infer flow on a model, its input and output given as arguments
+# (the script closes its call: f"{BATCH_INFER}, device='gpu'))" adds a setting).
+BATCH_INFER = (
+    "import sys; from flows.batch_infer import batch_infer; from tasks.config import BatchInferParams; "
+    "model, inputs, out = sys.argv[1:]; "
+    "batch_infer(BatchInferParams(model_uri=model, input_uri=inputs, output_uri=out"
+)
+
+
 def run_batch_infer(
     model_uri: str, input_uri: str | list[str], output_uri: str, return_state: bool = False, **settings
 ):

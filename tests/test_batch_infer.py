@@ -13,7 +13,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import run_batch_infer, write_jsonl
+from conftest import BATCH_INFER, run_batch_infer, write_jsonl
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, LogFilter, LogFilterFlowRunId
 
@@ -176,14 +176,8 @@ def test_a_job_killed_mid_way_and_run_again_labels_every_row_once(ray_stopped, t
         )
     output = tmp_path / "predictions"
     job = (str(tiny_model), str(tmp_path / "corpus"), str(output))
-    flow = "from flows.batch_infer import batch_infer; from tasks.config import BatchInferParams; batch_infer(BatchInferParams("
-    model, inputs, out = job
     driver = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            f"{flow}model_uri={model!r}, input_uri={inputs!r}, output_uri={out!r}, id_column='doc'))",
-        ],
+        [sys.executable, "-c", f"{BATCH_INFER}, id_column='doc'))", *job],
         cwd=Path(__file__).parents[1],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

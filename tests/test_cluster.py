@@ -19,19 +19,13 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import BUCKET, FTFLOW, free_port, write_jsonl
+from conftest import BATCH_INFER, BUCKET, FTFLOW, free_port, write_jsonl
 from ray.job_submission import JobStatus, JobSubmissionClient, JobType
 from test_flow import check_run, params
 
 from tasks import cluster, storage
 
 ROOT = Path(__file__).resolve().parents[1]
-# The batch_infer flow on a model, its input and output from the command line (the script closes its call).
-BATCH_INFER = (
-    "import sys; from flows.batch_infer import batch_infer; from tasks.config import BatchInferParams; "
-    "model, inputs, out = sys.argv[1:]; "
-    "batch_infer(BatchInferParams(model_uri=model, input_uri=inputs, output_uri=out"
-)
 BIN = Path(sys.executable).parent
 
 
