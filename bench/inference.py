@@ -36,11 +36,11 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from tiny_model import make_tiny_bert  # noqa: E402
 
-from tasks import cluster  # noqa: E402
-from tasks.config import InferenceConfig, ModelConfig  # noqa: E402
-from tasks.data import iter_frames  # noqa: E402
-from tasks.infer import predict_files  # noqa: E402
-from tasks.progress import periodically  # noqa: E402
+from tasks.core import cluster  # noqa: E402
+from tasks.core.config import InferenceConfig, ModelConfig  # noqa: E402
+from tasks.core.data import iter_frames  # noqa: E402
+from tasks.core.progress import periodically  # noqa: E402
+from tasks.infer.task import predict_files  # noqa: E402
 
 BATCH = 64
 

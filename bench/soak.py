@@ -36,7 +36,7 @@ from conftest import read_jsonl, write_jsonl  # noqa: E402
 from tiny_model import make_tiny_bert  # noqa: E402
 
 from flows.finetune import finetune  # noqa: E402
-from tasks.config import SHIPPED_DATA, DataConfig, FinetuneParams, ModelConfig, TrainConfig  # noqa: E402
+from tasks.core.config import SHIPPED_DATA, DataConfig, FinetuneParams, ModelConfig, TrainConfig  # noqa: E402
 
 
 def mib(size: int) -> float:
@@ -55,7 +55,7 @@ def folder_bytes(folder: Path) -> int:
 
 def sample(work: Path) -> dict:
     me = psutil.Process()
-    descendants = [p for p in me.children(recursive=True) if "tasks.reaper" not in " ".join(p.cmdline())]
+    descendants = [p for p in me.children(recursive=True) if "tasks.core.reaper" not in " ".join(p.cmdline())]
     stored = folder_bytes(work)  # the runs themselves: grows by design
     ray_logs = folder_bytes(RAY_TMP / "session_latest" / "logs")
     return {

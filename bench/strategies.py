@@ -46,13 +46,15 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tasks import cluster  # noqa: E402
-from tasks.config import DataConfig, ModelConfig, TrainConfig  # noqa: E402
-from tasks.data import load_splits  # noqa: E402
-from tasks.storage import RunStore  # noqa: E402
-from tasks.tokenize import load_tokenizer, tokenize, tokenize_key  # noqa: E402
-from tasks.train import train  # noqa: E402
-from tasks.train_worker import collate, param_groups  # noqa: E402
+from tasks.core import cluster  # noqa: E402
+from tasks.core.config import DataConfig, ModelConfig, TrainConfig  # noqa: E402
+from tasks.core.data import load_splits  # noqa: E402
+from tasks.core.storage import RunStore  # noqa: E402
+from tasks.tokenize.driver import load_tokenizer, tokenize_key  # noqa: E402
+from tasks.tokenize.task import tokenize  # noqa: E402
+from tasks.train.batches import collate  # noqa: E402
+from tasks.train.task import train  # noqa: E402
+from tasks.train.worker import param_groups  # noqa: E402
 
 LABELS = ["negative", "positive"]
 LEARNING_RATE = 1e-4  # every row alike: the speed compared does not depend on it

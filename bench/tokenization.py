@@ -33,10 +33,11 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 from inference import peak_ray_worker_rss, review_texts, start_prefect, timed, write_corpus  # noqa: E402
 
-from tasks import cluster  # noqa: E402
-from tasks.config import DataConfig, ModelConfig  # noqa: E402
-from tasks.data import load_splits  # noqa: E402
-from tasks.tokenize import load_tokenizer, tokenize, tokenize_key  # noqa: E402
+from tasks.core import cluster  # noqa: E402
+from tasks.core.config import DataConfig, ModelConfig  # noqa: E402
+from tasks.core.data import load_splits  # noqa: E402
+from tasks.tokenize.driver import load_tokenizer, tokenize_key  # noqa: E402
+from tasks.tokenize.task import tokenize  # noqa: E402
 
 SMALL_SPLIT_ROWS = 64
 

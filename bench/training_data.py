@@ -32,13 +32,15 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from tiny_model import make_tiny_bert  # noqa: E402
 
-import tasks.train  # noqa: E402
-from tasks import cluster  # noqa: E402
-from tasks.config import SHIPPED_DATA, DataConfig, ModelConfig, TrainConfig  # noqa: E402
-from tasks.data import load_splits  # noqa: E402
-from tasks.shards import SHARD_SCHEMA  # noqa: E402
-from tasks.storage import RunStore  # noqa: E402
-from tasks.tokenize import load_tokenizer, tokenize, tokenize_key  # noqa: E402
+import tasks.train.driver  # noqa: E402
+from tasks.core import cluster  # noqa: E402
+from tasks.core.config import SHIPPED_DATA, DataConfig, ModelConfig, TrainConfig  # noqa: E402
+from tasks.core.data import load_splits  # noqa: E402
+from tasks.core.storage import RunStore  # noqa: E402
+from tasks.tokenize.driver import load_tokenizer, tokenize_key  # noqa: E402
+from tasks.tokenize.task import tokenize  # noqa: E402
+from tasks.tokenize.worker import SHARD_SCHEMA  # noqa: E402
+from tasks.train.task import train  # noqa: E402
 
 LABELS = ["negative", "positive"]
 GROUP_ROWS = 10_000
@@ -63,7 +65,7 @@ def private_peak_mb(device) -> float:
 
 
 def streamed_worker(config: dict) -> None:
-    import tasks.train_worker as worker
+    import tasks.train.worker as worker
 
     worker.peak_memory_mb = private_peak_mb
     worker.train_worker(config)
@@ -74,7 +76,8 @@ def in_memory_worker(config: dict) -> None:
     a Python list on first use, then shuffled by (seed, epoch) and cut into micro-batches."""
     import ray.train
 
-    import tasks.train_worker as worker
+    import tasks.train.worker as worker
+    from tasks.train.batches import collate
 
     worker.peak_memory_mb = private_peak_mb
     held: dict[str, list[dict]] = {}
@@ -89,13 +92,14 @@ def in_memory_worker(config: dict) -> None:
         order = list(order)
         for start in range(0, len(rows), micro_batch):
             chunk = [rows[i] for i in order[start : start + micro_batch]]
-            yield worker.collate(
+            yield collate(
                 {
                     "input_ids": [r["input_ids"] for r in chunk],
                     "label": np.array([r["label"] for r in chunk]),
                     "row": np.array([r["row"] for r in chunk]),
                 },
                 pad_id,
+                pin=False,
             )
 
     worker.batches = batches
@@ -125,11 +129,11 @@ def corpus(tokenized: dict[str, str], rows: int, folder: Path) -> dict[str, str]
 
 
 def run(uris: dict, model: str, max_length: int, steps: int, streamed: bool, folder: str) -> dict:
-    tasks.train.train_worker = streamed_worker if streamed else in_memory_worker
+    tasks.train.driver.train_worker = streamed_worker if streamed else in_memory_worker
     # Batches as drawn on both sides: this compares the loaders, not length grouping (bench/strategies.py).
     cfg = TrainConfig(batch_size=32, num_workers=2, max_steps=steps, eval_every_steps=0, length_group_batches=1)
     started = time.perf_counter()
-    row = tasks.train.train.fn(
+    row = train.fn(
         uris, ModelConfig(name_or_path=model, max_length=max_length), LABELS, cfg, RunStore.at(folder)
     ).history[-1]
     return {

@@ -5,11 +5,11 @@ from __future__ import annotations
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 
-from tasks.checks import batch_infer_inputs
-from tasks.config import BatchInferParams
-from tasks.infer import predict_files
-from tasks.reaper import reap_on_exit
-from tasks.report import Stopwatch, publish_inference_report
+from tasks.core.config import BatchInferParams
+from tasks.core.reaper import reap_on_exit
+from tasks.infer.task import predict_files
+from tasks.report.task import Stopwatch, publish_inference_report
+from tasks.validate.checks import batch_infer_inputs
 
 
 @flow(name="batch_infer")

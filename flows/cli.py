@@ -29,8 +29,8 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from flows import console
-from tasks.config import RAY_ADDRESS, BatchInferParams, FinetuneParams, default_storage_root, one_line
-from tasks.config import first_line as config_first_line
+from tasks.core.config import RAY_ADDRESS, BatchInferParams, FinetuneParams, default_storage_root, one_line
+from tasks.core.config import first_line as config_first_line
 
 app = typer.Typer(
     add_completion=False,
@@ -159,8 +159,8 @@ def run(
 ) -> None:
     """Fine-tune, evaluate, promote and label: the finetune flow, on the embedded defaults unless told."""
     params = finetune_params(params_file, assignments)
-    from tasks.checks import run_inputs  # the flow's own checks of the data, model and storage, before anything starts
-    from tasks.storage import RunStore
+    from tasks.core.storage import RunStore
+    from tasks.validate.checks import run_inputs  # the flow's own checks of the data, model and storage
 
     run_inputs(params, RunStore(params.storage_root, params.run_id) if params.run_id else None)
     from flows.finetune import finetune  # Prefect and the ML stack load only once the input is good
@@ -256,7 +256,7 @@ def infer(
         )
     except ValidationError as error:
         raise BadInput(one_line(error)) from None
-    from tasks.checks import batch_infer_inputs  # the flow's own checks, before anything starts
+    from tasks.validate.checks import batch_infer_inputs  # the flow's own checks, before anything starts
 
     batch_infer_inputs(params)
     from flows.batch_infer import batch_infer  # Prefect and the ML stack load only now
@@ -293,10 +293,10 @@ def new_data(
 ) -> None:
     """Tell the Prefect server at PREFECT_API_URL that new training data is there: finetune/retrain trains on it.
 
-    The event ftflow.data.arrived (tasks/events.py) triggers the retraining deployment (deployments/definitions.py)."""
+    The event ftflow.data.arrived (tasks/core/events.py) triggers the retraining deployment (deployments/definitions.py)."""
     from prefect.settings import PREFECT_API_URL
 
-    from tasks.events import DATA_ARRIVED, data_arrived
+    from tasks.core.events import DATA_ARRIVED, data_arrived
 
     if not PREFECT_API_URL.value():
         raise BadInput(
@@ -340,7 +340,7 @@ def doctor(
     """Check what a run needs, in about a minute: the Ray cluster, one DeepSpeed step and an all-reduce on
     its devices, bf16, DeepSpeed's CPU Adam op, storage, the Prefect API. One line per check; exit code 1
     if one fails."""
-    from tasks import doctor as checks  # Ray and the ML stack load only now
+    from tasks.doctor import checks  # Ray and the ML stack load only now
 
     styles = {"pass": "green", "warn": "yellow", "skip": "dim", "fail": "red"}
     with console.session(verbose) as say:

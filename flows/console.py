@@ -27,8 +27,8 @@ from rich.progress import BarColumn, Progress, ProgressColumn, TaskID, TextColum
 from rich.table import Column
 from rich.text import Text
 
-from tasks import storage
-from tasks.progress import RUN_DIR, STAGE, TICK, Tick
+from tasks.core import storage
+from tasks.core.progress import RUN_DIR, STAGE, TICK, Tick
 
 PREFECT_CODE = str(Path(find_spec("prefect").origin).parent)
 RUN_LOGGERS = ("prefect.flow_runs", "prefect.task_runs")  # where a run's records go, whoever logs them

@@ -5,20 +5,22 @@ from __future__ import annotations
 from prefect import flow, get_run_logger
 from prefect.context import FlowRunContext
 
-from tasks import cluster
-from tasks.checks import run_inputs
-from tasks.config import FinetuneParams
-from tasks.evaluate import evaluate
-from tasks.infer import predict_files
-from tasks.manifest import write_manifest
-from tasks.progress import RUN_DIR
-from tasks.promote import promote
-from tasks.reaper import reap_on_exit
-from tasks.report import Stopwatch, publish_report
-from tasks.storage import RunStore, refuse_overlap
-from tasks.tokenize import load_tokenizer, tokenize, tokenize_key
-from tasks.tracking import track
-from tasks.train import check_parallelism, check_training_plan, train
+from tasks.core import cluster
+from tasks.core.config import FinetuneParams
+from tasks.core.progress import RUN_DIR
+from tasks.core.reaper import reap_on_exit
+from tasks.core.storage import RunStore, refuse_overlap
+from tasks.evaluate.task import evaluate
+from tasks.infer.task import predict_files
+from tasks.promote.task import promote
+from tasks.report.manifest import write_manifest
+from tasks.report.task import Stopwatch, publish_report
+from tasks.report.tracking import track
+from tasks.tokenize.driver import load_tokenizer, tokenize_key
+from tasks.tokenize.task import tokenize
+from tasks.train.driver import check_parallelism
+from tasks.train.task import check_training_plan, train
+from tasks.validate.checks import run_inputs
 
 
 def new_run_id() -> str:

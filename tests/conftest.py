@@ -17,14 +17,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 # Every training worker of every test checks that each collective's tensor is on its training device
-# (tasks/devices.py): what NCCL demands, which gloo on a CPU would let pass.
+# (tasks/train/devices.py): what NCCL demands, which gloo on a CPU would let pass.
 os.environ.setdefault("FTFLOW_TEST_CHECK_DEVICES", "1")
 
 sys.path.insert(0, str(Path(__file__).parent))
 
 from tiny_model import make_tiny_bert  # noqa: E402
 
-from tasks.config import SHIPPED_DATA  # noqa: E402
+from tasks.core.config import SHIPPED_DATA  # noqa: E402
 
 S3_KEY, S3_SECRET = "ftflow-test-key", "ftflow-test-secret-do-not-log"
 BUCKET = "ftflow-test"
@@ -77,7 +77,7 @@ def s3_data(small_data, s3_endpoint) -> dict[str, str]:
 def ray_cluster(s3_endpoint):
     import ray
 
-    from tasks import cluster
+    from tasks.core import cluster
 
     cluster.connect()
     yield ray
@@ -97,7 +97,7 @@ def wait_for_port(port: int) -> None:
 def ray_stopped(ray_cluster):
     """The session's Ray stopped for the test (one that starts a Ray of its own, or starts it afresh
     with another environment), and started again after it."""
-    from tasks import cluster
+    from tasks.core import cluster
 
     ray_cluster.shutdown()
     try:
@@ -112,7 +112,7 @@ def faulty_s3(s3_endpoint, ray_stopped):
     """The moto endpoint behind tests/faulty_s3.py, failing 10% of requests (500, 503 SlowDown, a dropped
     connection), for this process and a Ray started afresh for the test (workers take the endpoint
     from their environment when Ray starts). Yields a function that returns the proxy's counts."""
-    from tasks import cluster
+    from tasks.core import cluster
 
     port = free_port()
     proxy = subprocess.Popen(
@@ -150,7 +150,7 @@ def prefect_server():
 # A `python -c` script: the batch_infer flow on a model, its input and output given as arguments
 # (the script closes its call: f"{BATCH_INFER}, device='gpu'))" adds a setting).
 BATCH_INFER = (
-    "import sys; from flows.batch_infer import batch_infer; from tasks.config import BatchInferParams; "
+    "import sys; from flows.batch_infer import batch_infer; from tasks.core.config import BatchInferParams; "
     "model, inputs, out = sys.argv[1:]; "
     "batch_infer(BatchInferParams(model_uri=model, input_uri=inputs, output_uri=out"
 )
@@ -161,7 +161,7 @@ def run_batch_infer(
 ):
     """The batch_infer flow on these, as its form or `ftflow infer` starts it."""
     from flows.batch_infer import batch_infer
-    from tasks.config import BatchInferParams
+    from tasks.core.config import BatchInferParams
 
     params = BatchInferParams(model_uri=model_uri, input_uri=input_uri, output_uri=output_uri, **settings)
     return batch_infer(params, return_state=return_state)

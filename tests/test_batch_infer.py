@@ -17,9 +17,10 @@ from conftest import BATCH_INFER, run_batch_infer, write_jsonl
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, LogFilter, LogFilterFlowRunId
 
-from tasks import cluster, infer, storage
-from tasks.data import DataError, Piece, iter_frames
-from tasks.storage import MARKER
+from tasks.core import cluster, storage
+from tasks.core.data import DataError, Piece, iter_frames
+from tasks.core.storage import MARKER
+from tasks.infer import driver as infer
 
 
 @pytest.fixture

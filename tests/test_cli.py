@@ -17,7 +17,7 @@ from conftest import FTFLOW, free_port, read_jsonl, write_jsonl
 from test_flow import params
 
 from flows import console
-from tasks.config import SHIPPED_DATA, BatchInferParams, FinetuneParams
+from tasks.core.config import SHIPPED_DATA, BatchInferParams, FinetuneParams
 
 ROOT = Path(__file__).resolve().parents[1]
 

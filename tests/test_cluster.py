@@ -23,7 +23,7 @@ from conftest import BATCH_INFER, BUCKET, FTFLOW, free_port, write_jsonl
 from ray.job_submission import JobStatus, JobSubmissionClient, JobType
 from test_flow import check_run, params
 
-from tasks import cluster, storage
+from tasks.core import cluster, storage
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -89,7 +89,7 @@ def test_finetune_joins_a_ray_cluster_that_requires_a_token(tiny_model, small_da
     head = start_ray_head(port, secured)
     try:
         stranger = subprocess.run(
-            [sys.executable, "-c", f"from tasks import cluster; cluster.connect('127.0.0.1:{port}')"],
+            [sys.executable, "-c", f"from tasks.core import cluster; cluster.connect('127.0.0.1:{port}')"],
             cwd=ROOT,
             env=without_secrets(os.environ, tmp_path / "home"),
             capture_output=True,

@@ -9,9 +9,9 @@ import pandas as pd
 import pytest
 from conftest import BUCKET, write_jsonl
 
-from tasks import data, storage
-from tasks.config import DataConfig
-from tasks.data import (
+from tasks.core import data, storage
+from tasks.core.config import DataConfig
+from tasks.core.data import (
     CHUNK_ROWS,
     DataError,
     Split,

@@ -13,9 +13,9 @@ from pydantic import ValidationError
 from test_flow import params
 
 from flows.finetune import finetune
-from tasks import storage
-from tasks.config import FinetuneParams
-from tasks.storage import CLAIM, MARKER, RunStore, UnsafeOutput
+from tasks.core import storage
+from tasks.core.config import FinetuneParams
+from tasks.core.storage import CLAIM, MARKER, RunStore, UnsafeOutput
 
 
 class Place:

@@ -16,7 +16,7 @@ from prefect.exceptions import ObjectNotFound
 from prefect.settings import PREFECT_API_URL
 
 from deployments.definitions import RETRAIN_CONFIG, deployments
-from tasks.train import TRAINING_TAG, train
+from tasks.train.task import TRAINING_TAG, train
 
 
 def test_retraining_is_scheduled_with_the_files_parameters():

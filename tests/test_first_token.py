@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForSequenceClassification
 
-from tasks.first_token import FIRST_TOKEN_CLASSIFIERS, last_layer_at_first_token
+from tasks.core.first_token import FIRST_TOKEN_CLASSIFIERS, last_layer_at_first_token
 
 
 def tiny(model_type: str, dropout: float = 0.0) -> torch.nn.Module:

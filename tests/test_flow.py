@@ -35,11 +35,11 @@ from test_train import kill_a_worker_once_a_checkpoint_is_committed
 from transformers import AutoModelForSequenceClassification
 
 from flows.finetune import finetune
-from tasks import storage
-from tasks.config import DataConfig, FinetuneParams, ModelConfig, TrainConfig
-from tasks.data import DataError
-from tasks.predictor import local_model
-from tasks.storage import MARKER
+from tasks.core import storage
+from tasks.core.config import DataConfig, FinetuneParams, ModelConfig, TrainConfig
+from tasks.core.data import DataError
+from tasks.core.storage import MARKER
+from tasks.core.text import local_model
 
 
 def params(tiny_model, data: dict, root: str) -> FinetuneParams:
@@ -329,7 +329,7 @@ def test_a_driver_killed_mid_training_leaves_no_process_and_the_run_resumes(
     _, left = psutil.wait_procs(started, timeout=60)
     assert not left, f"still running 60 s after the driver was killed: {[' '.join(p.cmdline())[:80] for p in left]}"
 
-    from tasks import cluster
+    from tasks.core import cluster
 
     cluster.connect()
     summary = finetune(run)

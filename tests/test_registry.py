@@ -23,15 +23,15 @@ from test_flow import params
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from flows.finetune import finetune
-from tasks import storage
-from tasks.config import DataConfig, FinetuneParams, PromotionConfig
-from tasks.data import load_splits
-from tasks.evaluate import score
-from tasks.promote import promote
-from tasks.registry import resolve
-from tasks.report import summary as report_summary
-from tasks.storage import MARKER, RunStore
-from tasks.tracking import track
+from tasks.core import storage
+from tasks.core.config import DataConfig, FinetuneParams, PromotionConfig
+from tasks.core.data import load_splits
+from tasks.core.storage import MARKER, RunStore
+from tasks.evaluate.driver import score
+from tasks.promote.registry import resolve
+from tasks.promote.task import promote
+from tasks.report.task import summary as report_summary
+from tasks.report.tracking import track
 
 
 def test_a_model_that_loses_leaves_the_champion_untouched(ray_cluster, tiny_model, small_data, tmp_path):

@@ -8,8 +8,8 @@ from botocore.exceptions import EndpointConnectionError
 from prefect.task_engine import TaskRunTimeoutError
 from ray.train.v2.api.exceptions import WorkerGroupError
 
-from tasks.data import DataError
-from tasks.retries import transient
+from tasks.core.data import DataError
+from tasks.core.retries import transient
 
 
 def caused_by(cause: BaseException, error: BaseException) -> BaseException:

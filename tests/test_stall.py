@@ -1,4 +1,4 @@
-"""The stall report (tasks/stall.py) on the session's local Ray, which runs no dashboard: a worker blocked in
+"""The stall report (tasks/train/stall.py) on the session's local Ray, which runs no dashboard: a worker blocked in
 a function of a recognisable name, and a crashed one. py-spy reaches the blocked worker on its node, and no
 credential reaches the folder, not even one the crashed worker printed to its log."""
 
@@ -8,8 +8,8 @@ import json
 import os
 import time
 
-from tasks import stall
-from tasks.stall import REDACTED, Process, report, top_frame
+from tasks.train import stall
+from tasks.train.stall import REDACTED, Process, report, top_frame
 
 SECRET = "hf_stall-test-secret-0123456789"
 ENV = {"env_vars": {"HF_HOME": "/tmp/ftflow-stall-hf-home", "HF_TOKEN": SECRET}}
@@ -83,7 +83,7 @@ Thread 11632 (idle): "MainThread"
 Thread 11700 (idle): "Dummy-2"
 Thread 11705 (active): "TrainingThread(train_fn_with_final_checkpoint_flush)"
     all_reduce (torch/distributed/distributed_c10d.py:2810)
-    train_fn (tasks/train_worker.py:120)
+    train_fn (tasks/train/worker.py:120)
 """
     assert top_frame(text) == "all_reduce (torch/distributed/distributed_c10d.py:2810)"
     assert top_frame(text.split("Thread 11700")[0]) == "Worker.main_loop (ray/_private/worker.py:1069)"

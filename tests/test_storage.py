@@ -8,7 +8,7 @@ import threading
 import pytest
 from conftest import free_port
 
-from tasks import storage
+from tasks.core import storage
 
 
 def test_a_reader_never_sees_a_json_file_half_written(tmp_path):

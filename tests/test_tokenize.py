@@ -17,12 +17,13 @@ from test_data import mixed_split
 from test_flow import params
 
 from flows.finetune import finetune
-from tasks import cluster, data, storage
-from tasks.cluster import Resources
-from tasks.config import DataConfig, TrainConfig
-from tasks.data import load_splits
-from tasks.storage import CLAIM, MARKER
-from tasks.tokenize import load_tokenizer, tokenize, tokenize_key
+from tasks.core import cluster, data, storage
+from tasks.core.cluster import Resources
+from tasks.core.config import DataConfig, TrainConfig
+from tasks.core.data import load_splits
+from tasks.core.storage import CLAIM, MARKER
+from tasks.tokenize.driver import load_tokenizer, tokenize_key
+from tasks.tokenize.task import tokenize
 
 
 def splits_in(folder, small_data):

@@ -19,13 +19,15 @@ import torch
 from conftest import read_jsonl, write_jsonl
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, BertConfig, BertForSequenceClassification
 
-from tasks.config import DataConfig, ModelConfig, TrainConfig
-from tasks.data import load_splits
-from tasks.predictor import padded
-from tasks.storage import RunStore
-from tasks.tokenize import load_tokenizer, tokenize, tokenize_key
-from tasks.train import FAULT, train
-from tasks.train_worker import STATE_FILE, EpochRecord, Fault, Result
+from tasks.core.config import DataConfig, ModelConfig, TrainConfig
+from tasks.core.data import load_splits
+from tasks.core.storage import RunStore
+from tasks.core.text import padded
+from tasks.tokenize.driver import load_tokenizer, tokenize_key
+from tasks.tokenize.task import tokenize
+from tasks.train.contract import STATE_FILE, EpochRecord, Fault, Result
+from tasks.train.driver import FAULT
+from tasks.train.task import train
 
 LABELS = ["negative", "positive"]
 
@@ -346,8 +348,8 @@ ON_THREE_NODES = """
 import json, sys
 import ray
 from ray.cluster_utils import Cluster
-from tasks.config import ModelConfig, TrainConfig
-from tasks.storage import RunStore
+from tasks.core.config import ModelConfig, TrainConfig
+from tasks.core.storage import RunStore
 from tasks.train import fit
 tokenized, model, root = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3]
 cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})

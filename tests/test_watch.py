@@ -1,12 +1,12 @@
-"""The driver's stall watch on its own clock: when a silence counts as a stall (tasks/watch.py)."""
+"""The driver's stall watch on its own clock: when a silence counts as a stall (tasks/train/watch.py)."""
 
 from __future__ import annotations
 
 import logging
 
-from tasks import watch
-from tasks.progress import Beat
-from tasks.storage import RunStore
+from tasks.core.progress import Beat
+from tasks.core.storage import RunStore
+from tasks.train import watch
 
 
 def test_a_stall_is_judged_by_the_recent_step_time_once_steps_flow(monkeypatch, caplog, tmp_path):

@@ -4,7 +4,7 @@
 # Run here, on a machine with the package index:   bash bench/gpu/build_site.sh
 # The GPU machine's python3 (3.12) already has torch 2.11 (CUDA 13), transformers 5.17, tokenizers,
 # pyarrow, pandas, numpy and the rest of device_has.txt: those are left out. So are Ray's Java jars,
-# RLlib, Serve and LLM, and botocore (a stub with the exception classes tasks/storage.py imports
+# RLlib, Serve and LLM, and botocore (a stub with the exception classes tasks/core/storage.py imports
 # stands in: the real one is 16 MB). Local storage only there; no S3. databricks-sdk stays (1 MB): mlflow's
 # import looks its namespace up and fails without it.
 set -euo pipefail

@@ -44,7 +44,7 @@ stop_ray
 log "model made"
 
 # A stall report (every worker's stack, the GPUs) under the run's stall/ when no step shows for 45 s.
-STALL=(); grep -q "stall_warning_s" tasks/config.py && STALL=(--set train.stall_warning_s=45)
+STALL=(); grep -q "stall_warning_s" tasks/core/config.py && STALL=(--set train.stall_warning_s=45)
 # ftflow run NAME CAP TRAIN_S ARGS...: the run's limit is CAP (keeping 90 s for the baselines after the
 # runs), training's own train.timeout_s TRAIN_S. A working run: ~30-60 s of start-up, the epoch (~17 s of
 # compute on an H100 at batch 32), evaluation, batch inference of the test split and the report.

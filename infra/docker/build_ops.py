@@ -7,7 +7,7 @@
 One op: cpu_adam (DeepSpeedCPUAdam, for train.offload_optimizer). Read in deepspeed 0.19.8: with
 torch_adam: true, ZeRO 0-3, bf16/fp16, AutoTP and pipeline stages load none; the other ops its runtime
 loads serve NVMe swap, ZeRO++ quantization, native pinning, or the CPU shared-memory collective that
-tasks/train_worker.py keeps from building.
+tasks/train/worker.py keeps from building.
 
 DeepSpeed uses an op compiled at install (DS_BUILD_CPU_ADAM=1) only under the accelerator it was
 installed for, where ds_report must call it installed. For the other accelerator this script JIT-builds

@@ -1,0 +1,391 @@
+"""`ftflow`: the command line of ftflow's flows and stack.
+
+    ftflow run [--params FILE] [--set train.epochs=3 ...]   the finetune flow
+    ftflow infer MODEL INPUT... OUTPUT [--batch-size 128 ...]  the batch_infer flow
+    ftflow params [--schema]                                 run's parameters: defaults, descriptions
+    ftflow stack up|down                                     the local stack (infra/local/stack.py)
+    ftflow deploy --pool NAME [--image IMAGE]                the deployments, on a work pool
+    ftflow new-data TRAIN_URI                                the retraining deployment's "new data" event
+    ftflow doctor [--ray-address ADDR] [--storage-root ROOT] what a run needs, checked in about a minute
+
+Parameters are validated as the Prefect form validates them (the same pydantic models), before any
+cluster work. Bad input is one line and exit code 2; any other failure one line and exit code 1;
+`--debug` shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import sys
+import traceback
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+import typer._click as click  # typer 0.29 carries its own click: its exceptions are these
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from flows import console
+from tasks.core.config import RAY_ADDRESS, BatchInferParams, FinetuneParams, default_storage_root, one_line
+from tasks.core.config import first_line as config_first_line
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    rich_markup_mode="rich",
+    pretty_exceptions_enable=False,
+    help="Fine-tune Hugging Face classifiers and label corpora with them: Prefect + Ray + DeepSpeed.",
+)
+stack_app = typer.Typer(
+    no_args_is_help=True, help="The local stack: Prefect server and UI, a Ray head, the deployments' runner."
+)
+app.add_typer(stack_app, name="stack")
+
+Verbose = Annotated[
+    bool, typer.Option("--verbose", "-v", help="Show Ray's, DeepSpeed's, transformers' and Prefect's own output too.")
+]
+Debug = Annotated[bool, typer.Option("--debug", help="On an error, show its traceback instead of one line.")]
+BAD_INPUT = (ValidationError, ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
+
+
+class BadInput(Exception):
+    """A parameter the command refuses: one line, exit code 2."""
+
+
+def fields(model: type[BaseModel], prefix: str = "") -> Iterator[tuple[str, Any, str]]:
+    """(dotted name, default, description) of every leaf field of a parameter model, in order."""
+    for name, field in model.model_fields.items():
+        kind = field.annotation
+        if isinstance(kind, type) and issubclass(kind, BaseModel):
+            yield from fields(kind, f"{prefix}{name}.")
+        else:
+            yield f"{prefix}{name}", field.get_default(call_default_factory=True), field.description or ""
+
+
+def fields_help(model: type[BaseModel]) -> str:
+    """--help's list of every field, its default and description (rich markup, a paragraph each)."""
+    return "\n\n".join(
+        f"[bold]{name}[/] = {json.dumps(default)}" + (f"  {escape(about)}" if about else "")
+        for name, default, about in fields(model)
+    )
+
+
+def escape(text: str) -> str:
+    return text.replace("[", r"\[")
+
+
+def as_yaml(model: type[BaseModel]) -> str:
+    """The defaults as a YAML file for --params, each field under its description as a comment."""
+    lines = ["# ftflow run --params <this file>: FinetuneParams; leave out what keeps its default."]
+    section = None
+    for name, default, about in fields(model):
+        *parents, leaf = name.split(".")
+        if parents and parents[0] != section:
+            section = parents[0]
+            lines.append(f"{section}:")
+        indent = "  " if parents else ""
+        if about:
+            lines.append(f"{indent}# {about}")
+        lines.append(f"{indent}{leaf}: {json.dumps(default)}")  # JSON is YAML: quoted paths, lists, null
+    return "\n".join(lines) + "\n"
+
+
+def value(text: str) -> Any:
+    """A --set or option value as YAML reads it: 3 -> int, 1e-4 -> float, [a, b] -> list, null -> None."""
+    try:
+        parsed = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+    return text if parsed is None and text.strip() not in ("null", "~", "None") else parsed
+
+
+def assigned(params: dict, assignment: str) -> dict:
+    """params with one `a.b=v` of --set applied (a copy)."""
+    path, sep, text = assignment.partition("=")
+    if not sep or not path:
+        raise BadInput(f"--set {assignment}: expected FIELD=VALUE, e.g. train.epochs=3")
+    *parents, leaf = path.strip().split(".")
+    result = json.loads(json.dumps(params))
+    where = result
+    for parent in parents:
+        where = where.setdefault(parent, {})
+        if not isinstance(where, dict):
+            raise BadInput(f"--set {assignment}: {parent} is not a group of fields")
+    where[leaf] = value(text)
+    return result
+
+
+def read_params(path: Path) -> dict:
+    try:
+        text = path.read_text()
+        given = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except OSError as error:
+        raise BadInput(f"{path}: {error.strerror}") from None
+    except (json.JSONDecodeError, yaml.YAMLError) as error:
+        raise BadInput(
+            f"{path}: not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {' '.join(str(error).split())}"
+        ) from None
+    if not isinstance(given or {}, dict):
+        raise BadInput(f"{path}: expected a mapping of parameters, got {type(given).__name__}")
+    return given or {}
+
+
+def finetune_params(params_file: Path | None, assignments: list[str]) -> FinetuneParams:
+    given = read_params(params_file) if params_file else {}
+    for assignment in assignments:
+        given = assigned(given, assignment)
+    try:
+        return FinetuneParams.model_validate(given)
+    except ValidationError as error:
+        where = f"{params_file}: " if params_file else ""
+        raise BadInput(where + one_line(error)) from None
+
+
+@app.command(epilog="[bold]Fields[/] (--set NAME=VALUE, or in the --params file):\n\n" + fields_help(FinetuneParams))
+def run(
+    params_file: Annotated[
+        Path | None,
+        typer.Option("--params", help="FinetuneParams as a JSON or YAML file (`ftflow params` writes one)."),
+    ] = None,
+    assignments: Annotated[
+        list[str],
+        typer.Option("--set", help="One field, e.g. train.epochs=3 (repeatable; values as YAML; over --params)."),
+    ] = [],  # noqa: B006 (typer reads it as the option's default; nothing mutates it)
+    verbose: Verbose = False,
+    debug: Debug = False,
+) -> None:
+    """Fine-tune, evaluate, promote and label: the finetune flow, on the embedded defaults unless told."""
+    params = finetune_params(params_file, assignments)
+    from tasks.core.storage import RunStore
+    from tasks.validate.checks import run_inputs  # the flow's own checks of the data, model and storage
+
+    run_inputs(params, RunStore(params.storage_root, params.run_id) if params.run_id else None)
+    from flows.finetune import finetune  # Prefect and the ML stack load only once the input is good
+
+    with console.session(verbose) as say:
+        summary = finetune(params)
+        say.result(
+            {
+                "test accuracy": f"{summary['test_accuracy']:.4f}",
+                "promoted": "yes" if summary["promoted"] else "no",
+                "run id": summary["run_id"],
+                "artifacts": summary["run_dir"],
+                "report": summary["report"],
+            }
+        )
+
+
+@app.command()
+def params(
+    schema: Annotated[
+        bool, typer.Option("--schema", help="The JSON schema (what the Prefect form is built from) instead.")
+    ] = False,
+) -> None:
+    """run's parameters: the defaults as YAML for --params, each under its description."""
+    print(
+        json.dumps(FinetuneParams.model_json_schema(), indent=2) if schema else as_yaml(FinetuneParams),
+        end="\n" if schema else "",
+    )
+
+
+# `ftflow infer`'s arguments; each other field of BatchInferParams is an option of the same name.
+INFER_ARGUMENTS = ("model_uri", "input_uri", "output_uri")
+
+
+def with_infer_options(command: Callable) -> Callable:
+    """command, taking an option per BatchInferParams field past its arguments, with the field's
+    description and default as help: generated, so the command and the flow's form cannot drift.
+    (typer reads a command's options from its signature only.)"""
+    options = [
+        inspect.Parameter(
+            name,
+            inspect.Parameter.POSITIONAL_OR_KEYWORD,
+            default=None,
+            annotation=Annotated[
+                str | None,
+                typer.Option(
+                    f"--{name.replace('_', '-')}",
+                    metavar=name.upper(),
+                    help=escape(
+                        field.description + (f" [default: {field.default}]" if field.default is not None else "")
+                    ),
+                    show_default=False,
+                ),
+            ],
+        )
+        for name, field in BatchInferParams.model_fields.items()
+        if name not in INFER_ARGUMENTS
+    ]
+    signature = inspect.signature(command, eval_str=True)
+    named = [p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    arguments = [p for p in named if p.name in INFER_ARGUMENTS]
+    flags = [p for p in named if p.name not in INFER_ARGUMENTS]  # --verbose, --debug
+    command.__signature__ = signature.replace(parameters=[*arguments, *options, *flags])
+    return command
+
+
+@app.command()
+@with_infer_options
+def infer(
+    model_uri: Annotated[
+        str, typer.Argument(metavar="MODEL", help=escape(BatchInferParams.model_fields["model_uri"].description))
+    ],
+    input_uri: Annotated[
+        list[str], typer.Argument(metavar="INPUT", help="Files, folders or globs to label (local or s3://).")
+    ],
+    output_uri: Annotated[
+        str, typer.Argument(metavar="OUTPUT", help=BatchInferParams.model_fields["output_uri"].description)
+    ],
+    verbose: Verbose = False,
+    debug: Debug = False,
+    **options: str | None,
+) -> None:
+    """Label every row of INPUT with MODEL: the batch_infer flow; Parquet (id, text, label, score) in OUTPUT."""
+    given = {name: value(text) for name, text in options.items() if text is not None}
+    try:
+        params = BatchInferParams.model_validate(
+            {
+                "model_uri": model_uri,
+                "input_uri": input_uri[0] if len(input_uri) == 1 else input_uri,
+                "output_uri": output_uri,
+                **given,
+            }
+        )
+    except ValidationError as error:
+        raise BadInput(one_line(error)) from None
+    from tasks.validate.checks import batch_infer_inputs  # the flow's own checks, before anything starts
+
+    batch_infer_inputs(params)
+    from flows.batch_infer import batch_infer  # Prefect and the ML stack load only now
+
+    with console.session(verbose) as say:
+        result = batch_infer(params)
+        say.result({"rows": f"{result['rows']:,}", "rows/s": f"{result['rows_per_s']:,.0f}", "predictions": output_uri})
+
+
+@stack_app.command()
+def up() -> None:
+    """Start what is not running yet; prints the UI and the addresses to use."""
+    local_stack().up()
+
+
+@stack_app.command()
+def down() -> None:
+    """Stop the runner (no new runs), then the Ray head, then the server."""
+    local_stack().down()
+
+
+def local_stack():
+    from infra.local import stack  # only the stack's commands need it
+
+    return stack
+
+
+@app.command(name="new-data")
+def new_data(
+    train_uri: Annotated[
+        str,
+        typer.Argument(metavar="TRAIN_URI", help="The new training data: files, a folder or a glob (local or s3://)."),
+    ],
+) -> None:
+    """Tell the Prefect server at PREFECT_API_URL that new training data is there: finetune/retrain trains on it.
+
+    The event ftflow.data.arrived (tasks/core/events.py) triggers the retraining deployment (deployments/definitions.py)."""
+    from prefect.settings import PREFECT_API_URL
+
+    from tasks.core.events import DATA_ARRIVED, data_arrived
+
+    if not PREFECT_API_URL.value():
+        raise BadInput(
+            "PREFECT_API_URL is not set: the event goes to the Prefect server the deployments are served from "
+            "(`ftflow stack up` prints it)"
+        )
+    data_arrived(train_uri)
+    print(f"{DATA_ARRIVED}: {train_uri} (to {PREFECT_API_URL.value()})")
+
+
+@app.command()
+def deploy(
+    pool: Annotated[str, typer.Option(help="The Prefect work pool that runs the flows.")],
+    image: Annotated[
+        str | None, typer.Option(help="For pools that start a container per run: the image holding ftflow.")
+    ] = None,
+) -> None:
+    """Register the deployments (deployments/definitions.py) with a work pool of the server at PREFECT_API_URL.
+
+    A process pool's workers run each flow where ftflow is installed (infra/prefect/worker.yaml); a pool
+    that starts a container per run (Kubernetes, Docker) needs --image (infra/docker/Dockerfile). The
+    flows reach Ray through RAY_ADDRESS in the worker's or the job's environment. Nothing is built or pushed.
+    """
+    from prefect import deploy as register
+
+    from deployments.definitions import deployments, limit_concurrency
+
+    limit_concurrency()
+    register(*deployments(), work_pool_name=pool, image=image, build=False, push=False, ignore_warnings=True)
+
+
+@app.command()
+def doctor(
+    ray_address: Annotated[str | None, typer.Option(help=escape(RAY_ADDRESS))] = None,
+    storage_root: Annotated[
+        str | None, typer.Option(help="The storage root to check; default: FTFLOW_STORAGE_ROOT or ./artifacts.")
+    ] = None,
+    verbose: Verbose = False,
+    debug: Debug = False,
+) -> None:
+    """Check what a run needs, in about a minute: the Ray cluster, one DeepSpeed step and an all-reduce on
+    its devices, bf16, DeepSpeed's CPU Adam op, storage, the Prefect API. One line per check; exit code 1
+    if one fails."""
+    from tasks.doctor import checks  # Ray and the ML stack load only now
+
+    styles = {"pass": "green", "warn": "yellow", "skip": "dim", "fail": "red"}
+    with console.session(verbose) as say:
+
+        def show(check: checks.Check) -> None:  # no markup: a detail may hold [brackets]
+            say.console.print(check.line(), style=styles[check.outcome], markup=False, highlight=False, soft_wrap=True)
+
+        passed = checks.run(ray_address, storage_root or default_storage_root(), show)
+    if not passed:
+        raise typer.Exit(1)
+
+
+def command_name(argv: list[str]) -> str:
+    return " ".join(["ftflow", *[a for a in argv[:1] if not a.startswith("-")]])
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The console script: errors as one line (exit 2 for bad input, 1 otherwise) unless --debug."""
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        # Not standalone, click returns a typer.Exit's code (a command's, --help's) rather than exiting with it.
+        exit_code = typer.main.get_group(app).main(argv, prog_name="ftflow", standalone_mode=False)
+    except (typer.Abort, KeyboardInterrupt):
+        sys.exit(130)
+    except click.exceptions.NoArgsIsHelpError:  # the help is printed: a usage error with nothing more to say
+        sys.exit(2)
+    except click.exceptions.ClickException as error:  # usage: an unknown option, a missing argument
+        console.error(f"{command_name(argv)}: {error.format_message()} (see --help)")
+        sys.exit(2)
+    except Exception as error:  # noqa: BLE001 -- every failure ends as one line, its traceback only when asked
+        bad = isinstance(error, (BadInput, *BAD_INPUT))
+        if "--debug" in argv:
+            console.error(traceback.format_exc().rstrip())
+        else:
+            console.error(
+                f"{command_name(argv)}: {first_line(error)}"
+                + ("" if bad else f" ({type(error).__name__}; --debug for the traceback)")
+            )
+        sys.exit(2 if bad else 1)
+    sys.exit(exit_code)
+
+
+def first_line(error: Exception) -> str:
+    return one_line(error) if isinstance(error, ValidationError) else config_first_line(error)
+
+
+if __name__ == "__main__":
+    main()

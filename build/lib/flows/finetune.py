@@ -1,0 +1,119 @@
+"""The `finetune` flow: tokenize -> train -> evaluate -> batch inference, every artifact in storage."""
+
+from __future__ import annotations
+
+from prefect import flow, get_run_logger
+from prefect.context import FlowRunContext
+
+from tasks.core import cluster
+from tasks.core.config import FinetuneParams
+from tasks.core.progress import RUN_DIR
+from tasks.core.reaper import reap_on_exit
+from tasks.core.storage import RunStore, refuse_overlap
+from tasks.evaluate.task import evaluate
+from tasks.infer.task import predict_files
+from tasks.promote.task import promote
+from tasks.report.manifest import write_manifest
+from tasks.report.task import Stopwatch, publish_report
+from tasks.report.tracking import track
+from tasks.tokenize.driver import load_tokenizer, tokenize_key
+from tasks.tokenize.task import tokenize
+from tasks.train.driver import check_parallelism
+from tasks.train.task import check_training_plan, train
+from tasks.validate.checks import run_inputs
+
+
+def new_run_id() -> str:
+    """The flow run's own: when it was created and its id. A retry of the flow run (the UI's Retry, a
+    deployment's `retries`, a crashed run re-submitted) continues in the same run folder, and its
+    training resumes from the last checkpoint instead of step 0."""
+    run = FlowRunContext.get().flow_run
+    return f"{run.created:%Y%m%d-%H%M%S}-{str(run.id)[:8]}"
+
+
+@flow(name="finetune")
+def finetune(params: FinetuneParams = FinetuneParams()) -> dict:
+    """Fine-tune a Hugging Face classifier and label a corpus with it."""
+    reap_on_exit()  # this process's Prefect server and local Ray end with it, even if it is killed
+    logger = get_run_logger()
+    took = Stopwatch(logger)
+    store = RunStore(params.storage_root, params.run_id or new_run_id())
+    # Bad input stops here, before Ray (`ftflow run` checked it before Prefect started).
+    inputs = run_inputs(params, store)
+    check_parallelism(params.train, params.model)
+    key = tokenize_key(
+        inputs.splits, load_tokenizer(params.model.name_or_path), params.model.max_length, params.storage_root
+    )
+    refuse_overlap([key.target], inputs.read(params))
+    cluster.refuse_local_paths(
+        {"storage_root": [params.storage_root], **inputs.by_field()}, params.storage_shared, params.ray_address
+    )
+    # The plan against the cluster, before tokenizing.
+    check_training_plan(params.model, params.data.label_names, params.train, params.ray_address)
+    logger.info("run %s in %s", store.run_id, store.base, extra={RUN_DIR: store.base})
+
+    with took("tokenize"):
+        tokenized = tokenize.with_options(refresh_cache=not key.shards_exist())(
+            key, inputs.splits, params.model.name_or_path, params.ray_address
+        )
+    with took("train"):
+        training = train.with_options(timeout_seconds=params.train.timeout_s)(
+            tokenized, params.model, params.data.label_names, params.train, store, params.ray_address
+        )
+    with took("evaluate"):
+        metrics = evaluate(store, inputs.splits["test"], inputs.inference, params.ray_address)
+    with took("promote"):
+        promotion = promote(
+            store.model_dir,
+            metrics,
+            inputs.splits["test"],
+            params.promotion,
+            params.storage_root,
+            store.run_id,
+            params.ray_address,
+        )
+    with took("batch inference"):
+        predictions = predict_files.with_options(timeout_seconds=inputs.inference.timeout_s)(
+            store.model_dir, inputs.inference, store.predictions, params.ray_address
+        )
+
+    took.fixed_costs(training.first_step_at)
+    config = params.model_dump(mode="json")
+    outputs = {
+        "tokenized": tokenized,
+        "checkpoints": store.train_dir,
+        "model": store.model_dir,
+        "metrics": store.metrics,
+        "predictions": predictions,
+        "report": store.report,
+        "manifest": store.manifest,
+    }
+    results = {
+        "test": metrics,
+        "training": training.model_dump(include={"history", "curve", "nodes", "strategy"}),
+        "promotion": promotion,
+    }
+    publish_report(store, config, inputs.splits, outputs, results, took.seconds)
+    write_manifest(
+        store.manifest,
+        config=config,
+        cluster=training.cluster,
+        data={
+            "splits": {
+                n: {"uris": list(s.uris), "sha256": s.sha256, "rows": s.total_rows} for n, s in inputs.splits.items()
+            },
+            "tokenize_key": key.model_dump(),
+        },
+        outputs=outputs,
+        metrics=results,
+        seconds=took.seconds,
+    )
+    track(params, store, results, took.seconds)  # to MLflow; a warning, never a failure, when it cannot
+    return {
+        "run_id": store.run_id,
+        "run_dir": store.base,
+        "report": store.report_md,
+        "test_accuracy": metrics["accuracy"],
+        "metrics": metrics,
+        "promoted": promotion["promoted"],
+    }

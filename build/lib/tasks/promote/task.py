@@ -1,0 +1,156 @@
+"""Stage 3b: the promotion gate, writing the registry's champion pointer (tasks/promote/registry.py).
+
+A model is promoted only above a floor: by default, better than always predicting the test split's
+majority class (a model that learned nothing scores exactly that), else promotion.min_score. Then it
+is compared with the current champion on the same test split: the champion's score recorded at its
+promotion when that was on the same rows, else the champion scored again on the split this run
+evaluated, so a changed split favours neither. It is promoted only when its metric is at least the
+champion's plus the margin, by replacing the pointer in one write (readers see the old champion or
+the new one, never a mix). A model that loses leaves the pointer untouched, and the decision says why.
+
+The write is a compare-and-swap against the pointer as it was read (storage.swap_json): of two runs
+that compared with the same champion at once, exactly one replaces it; the other is not promoted and
+says which run's model became champion meanwhile (its next run compares with that one).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from datetime import UTC, datetime
+
+import numpy as np
+from prefect import get_run_logger, task
+from prefect.artifacts import create_markdown_artifact
+
+from tasks.core import events, jobs, storage
+from tasks.core.config import InferenceConfig, PromotionConfig
+from tasks.core.data import Split
+from tasks.core.retries import RETRY_TRANSIENT
+from tasks.evaluate.driver import metrics_of, score
+
+
+def reading(split: Split) -> dict:
+    """How the split's bytes were read into rows (format, columns, label names), as JSON holds it."""
+    return json.loads(json.dumps(dataclasses.asdict(split.schema)))
+
+
+def champions_score(current: dict, test: Split, metric: str, ray_address: str | None) -> float:
+    """The champion's metric on this test split: as recorded at its promotion when that was on these
+    very rows (same bytes, read the same way; the main job's re-score took 4.4 s of model start and
+    prediction), else scored again."""
+    if (current.get("test_sha256"), current.get("test_reading"), current["metric"]) == (
+        test.sha256,
+        reading(test),
+        metric,
+    ):
+        return current["value"]
+    # The default batch size: it sets the speed, not the labels.
+    batch_size = InferenceConfig().batch_size
+    return jobs.run(
+        score, ray_address, get_run_logger(), model_uri=current["model_uri"], test=test, batch_size=batch_size
+    )[metric]
+
+
+def floor(metrics: dict, cfg: PromotionConfig) -> tuple[float, bool, str]:
+    """(the least score, whether reaching it is enough, the floor in words): promotion.min_score, or
+    the score of always predicting the test split's majority class (from the confusion matrix's true
+    counts), which a model must beat."""
+    if cfg.min_score is not None:
+        return cfg.min_score, True, f"{cfg.metric} >= {cfg.min_score:.4f} (promotion.min_score)"
+    actual = np.asarray(metrics["confusion_matrix"]).sum(1)
+    majority = int(actual.argmax())
+    one_class = np.zeros((len(actual), len(actual)), dtype=np.int64)
+    one_class[:, majority] = actual
+    least = metrics_of(one_class, metrics["label_names"])[cfg.metric]
+    return (
+        least,
+        False,
+        (
+            f"{cfg.metric} > {least:.4f}, the score of always predicting the test split's majority class "
+            f"'{metrics['label_names'][majority]}' (promotion.min_score unset)"
+        ),
+    )
+
+
+@task(**RETRY_TRANSIENT)
+def promote(
+    model_uri: str,
+    metrics: dict,
+    test: Split,
+    cfg: PromotionConfig,
+    root: str,
+    run_id: str,
+    ray_address: str | None = None,
+) -> dict:
+    """Make model_uri the champion of cfg.model_name if it clears the floor and is at least as good as
+    the champion; the decision, with why."""
+    pointer = storage.StorageRoot(root).champion(cfg.model_name)
+    current, version = storage.read_versioned_json(pointer)
+    challenger, (least, reaching_is_enough, floor_words) = metrics[cfg.metric], floor(metrics, cfg)
+    champion = None
+    if challenger < least or (challenger == least and not reaching_is_enough):
+        promoted, why = False, f"{cfg.metric} {challenger:.4f} is not above the floor: {floor_words}"
+    elif current is None:
+        promoted, why = True, "no champion yet"
+    else:
+        champion = champions_score(current, test, cfg.metric, ray_address)
+        promoted = challenger >= champion + cfg.margin
+        why = (
+            f"{cfg.metric} {challenger:.4f} {'>=' if promoted else '<'} the champion's {champion:.4f} "
+            f"+ margin {cfg.margin:g}, on the same test split"
+        )
+    record = {
+        "model_uri": model_uri,
+        "run_id": run_id,
+        "metric": cfg.metric,
+        "value": challenger,
+        "test_sha256": test.sha256,
+        "test_reading": reading(test),
+        "promoted_at": datetime.now(UTC).isoformat(),
+    }
+    if promoted and not storage.swap_json(pointer, version, record):
+        winner = storage.read_json(pointer)
+        promoted = False
+        why = (
+            f"{why}, but while this run compared, run {winner['run_id']} made {winner['model_uri']} the champion "
+            f"({winner['metric']} {winner['value']:.4f}); the next run compares with it"
+        )
+    if promoted:  # for what a promotion triggers (deployments/definitions.py): labelling with the new champion
+        events.promoted(
+            cfg.model_name,
+            model_uri,
+            cfg.metric,
+            challenger,
+            run_id,
+            root,
+            storage.StorageRoot(root).labels(cfg.model_name, run_id),
+        )
+    decision = {
+        "promoted": promoted,
+        "reason": why,
+        "floor": floor_words,
+        "model_name": cfg.model_name,
+        "metric": cfg.metric,
+        "challenger": challenger,
+        "champion": champion,
+        "previous_champion_uri": current and current["model_uri"],
+        "pointer": pointer,
+    }
+    get_run_logger().info("%s (%s)", verdict(decision).replace("`", ""), why)
+    create_markdown_artifact(
+        key="promotion",
+        markdown=f"### {model_uri}\n\n{verdict(decision)} ({why}).\n\nFloor: {floor_words}.\n\nPointer: `{pointer}`\n",
+        description="The promotion gate's decision",
+    )
+    return decision
+
+
+def verdict(decision: dict) -> str:
+    """The decision in a few words (Markdown), for the log, the artifact and the report."""
+    name = decision["model_name"]
+    return (
+        f"promoted to champion of `{name}`"
+        if decision["promoted"]
+        else f"not promoted: `{name}`'s champion is unchanged"
+    )

@@ -1,0 +1,289 @@
+"""The run report: what a person reads after a finetune run, as Prefect artifacts (a markdown report
+with its plots inline, a metrics table) and as files beside the run (<run>/report/report.md with
+the same plots as PNG), so that it outlives the Prefect database and can be linked to."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import logging
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from matplotlib.figure import Figure
+from prefect import task
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
+
+from tasks.core import storage
+from tasks.core.data import Split
+from tasks.core.progress import STAGE
+from tasks.core.retries import RETRY_TRANSIENT
+from tasks.core.storage import RunStore
+from tasks.evaluate.task import confusion_markdown
+from tasks.promote.task import verdict
+from tasks.report.manifest import versions
+
+PLOTS = {"training": "training.png", "confusion": "confusion-matrix.png"}
+
+
+class Stopwatch:
+    """Wall seconds per stage of a flow, and its fixed costs around training. Prefect records task-run
+    times too, but its API holds them only once its event pipeline has caught up, so a report reading
+    them at the end would race it. Each stage's start and end are logged, marked for the console."""
+
+    def __init__(self, logger: logging.Logger | logging.LoggerAdapter) -> None:
+        self.logger, self.started, self.ended, self.seconds = logger, time.time(), {}, {}
+
+    @contextmanager
+    def __call__(self, stage: str) -> Iterator[None]:
+        self.logger.info("%s", stage, extra={STAGE: ("start", stage)})
+        started = time.time()
+        yield
+        self.ended[stage] = time.time()
+        self.seconds[stage] = round(self.ended[stage] - started, 2)
+        self.logger.info("%s: %.1f s", stage, self.seconds[stage], extra={STAGE: ("end", stage)})
+
+    def fixed_costs(self, first_step_at: float | None) -> None:
+        """From the flow's start to training's first step (the workers' clock: NTP keeps nodes within
+        milliseconds), and from training's end to now, the report."""
+        if first_step_at:  # a re-run of a finished run takes no step
+            self.seconds["start to first training step"] = round(first_step_at - self.started, 2)
+        self.seconds["training's end to the report"] = round(time.time() - self.ended["train"], 2)
+
+
+def png(figure: Figure) -> bytes:
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=100, bbox_inches="tight")
+    return buffer.getvalue()
+
+
+def training_plot(curve: dict) -> bytes:
+    """Loss and accuracy against the optimizer step: training (averaged per logging interval) and validation."""
+    figure = Figure(figsize=(11, 3.8))
+    for axes, measure in zip(figure.subplots(1, 2), ("loss", "accuracy"), strict=True):
+        for points, name, style in ((curve["train"], "training", "-"), (curve["validation"], "validation", "o-")):
+            axes.plot([p["step"] for p in points], [p[measure] for p in points], style, label=name)
+        axes.set(xlabel="optimizer step", ylabel=measure, title=measure)
+        axes.grid(alpha=0.3)
+        axes.legend()
+    return png(figure)
+
+
+def confusion_plot(metrics: dict) -> bytes:
+    names, counts = metrics["label_names"], metrics["confusion_matrix"]
+    figure = Figure(figsize=(1.2 * len(names) + 2.5, 1.0 * len(names) + 2))
+    axes = figure.subplots()
+    axes.imshow(counts, cmap="Blues")
+    peak = max(map(max, counts))
+    for row, values in enumerate(counts):
+        for column, count in enumerate(values):
+            axes.text(column, row, str(count), ha="center", va="center", color="white" if count > peak / 2 else "black")
+    axes.set(
+        xticks=range(len(names)),
+        yticks=range(len(names)),
+        xticklabels=names,
+        yticklabels=names,
+        xlabel="predicted",
+        ylabel="true",
+        title=f"test split, {metrics['rows']} rows",
+    )
+    return png(figure)
+
+
+def link(uri: str, under: str = "") -> str:
+    """A link to a stored file, named by its path below `under` when it is there (shorter tables)."""
+    name = uri.removeprefix(f"{under}/") if under else uri
+    return f"[`{name}`]({uri if storage.is_remote(uri) else 'file://' + uri})"
+
+
+def summary(metrics: dict, promotion: dict) -> list[str]:
+    return [
+        f"Test accuracy **{metrics['accuracy']:.4f}**, macro F1 **{metrics['macro_f1']:.4f}** "
+        f"on {metrics['rows']} rows.",
+        "",
+        f"Promotion: **{verdict(promotion)}** ({promotion['reason']}).",
+        "",
+        f"Promotion floor: {promotion['floor']}.",
+        "",
+    ]
+
+
+def metric_rows(training: dict, metrics: dict, promotion: dict) -> list[dict]:
+    last = training["history"][-1]
+    rows = [
+        ("train", "loss", last["train_loss"]),
+        ("validation", "loss", last["val_loss"]),
+        ("validation", "accuracy", last["val_accuracy"]),
+        ("test", "accuracy", metrics["accuracy"]),
+        ("test", "macro_f1", metrics["macro_f1"]),
+    ]
+    if promotion["champion"] is not None:
+        rows.append(("test", f"champion {promotion['metric']}", promotion["champion"]))
+    return [{"split": split, "metric": name, "value": round(value, 4)} for split, name, value in rows]
+
+
+def table(rows: list[dict]) -> list[str]:
+    columns = list(rows[0])
+    return ["| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"] + [
+        "| " + " | ".join(str(row[c]) for c in columns) + " |" for row in rows
+    ]
+
+
+def epoch_rows(training: dict) -> list[dict]:
+    return [
+        {
+            "epoch": e["epoch"],
+            "step": e["step"],
+            "train loss": round(e["train_loss"], 4),
+            "val loss": round(e["val_loss"], 4),
+            "val accuracy": round(e["val_accuracy"], 4),
+            "samples/s": round(e["samples_per_s"], 1),
+            "peak MiB per worker": round(e["peak_memory_mb"]),
+        }
+        for e in training["history"]
+    ]
+
+
+def data_rows(splits: dict[str, Split], tokenized: dict[str, str], root: str) -> list[dict]:
+    return [
+        {
+            "split": name,
+            "rows": split.total_rows,
+            "MiB": round(sum(p.size for p in split.pieces) / 2**20, 2),
+            "files": len(split.uris),
+            "sha256": f"`{split.sha256[:12]}`",
+            "tokenized": link(tokenized[name], root),
+        }
+        for name, split in splits.items()
+    ]
+
+
+def markdown(
+    store: RunStore,
+    config: dict,
+    splits: dict[str, Split],
+    outputs: dict,
+    results: dict,
+    seconds: dict,
+    images: dict[str, str],
+) -> str:
+    """The report, with each plot at images[name]: a file beside it, or the PNG inline for the Prefect UI."""
+    training, metrics, promotion = results["training"], results["test"], results["promotion"]
+    root = storage.normalize(store.root)
+    stored = {
+        "model": outputs["model"],
+        "metrics": outputs["metrics"],
+        "predictions": outputs["predictions"]["output_uri"],
+        "training checkpoints": outputs["checkpoints"],
+        "report and plots": outputs["report"],
+        "manifest (config, versions, data hashes)": outputs["manifest"],
+        "champion pointer": promotion["pointer"],
+    }
+
+    def plot_link(name: str) -> str:
+        return f"Stored as {link(storage.join(store.report, PLOTS[name]), root)}"
+
+    lines = [
+        f"# finetune run `{store.run_id}`",
+        "",
+        f"Run folder: {link(store.base)}",
+        "",
+        *summary(metrics, promotion),
+        "## Metrics",
+        "",
+        *table(metric_rows(training, metrics, promotion)),
+        "",
+        "## Training",
+        "",
+        f"![loss and accuracy per step]({images['training']})",
+        "",
+        plot_link("training"),
+        "",
+        *table(epoch_rows(training)),
+        "",
+        "## Confusion matrix (test)",
+        "",
+        f"![confusion matrix]({images['confusion']})",
+        "",
+        plot_link("confusion"),
+        "",
+        confusion_markdown(metrics),
+        "",
+        "## Data",
+        "",
+        *table(data_rows(splits, outputs["tokenized"], root)),
+        "",
+        f"Predictions: {outputs['predictions']['rows']} rows from {outputs['predictions']['files']} file(s).",
+        "",
+        "## Timings",
+        "",
+        *table([{"stage": stage, "seconds": s} for stage, s in seconds.items()]),
+        "",
+        "## Stored artifacts",
+        "",
+        *table([{"what": what, "where": link(uri, root)} for what, uri in stored.items()]),
+        "",
+        "## Configuration",
+        "",
+        "```json",
+        json.dumps(config, indent=2),
+        "```",
+        "",
+        "Versions: " + ", ".join(f"{name} {v}" for name, v in versions().items()),
+        "",
+    ]
+    return "\n".join(lines)
+
+
+@task(**RETRY_TRANSIENT)
+def publish_report(
+    store: RunStore, config: dict, splits: dict[str, Split], outputs: dict, results: dict, seconds: dict
+) -> str:
+    """report.md and its plots in the run's report folder, and the same report and a metrics table as Prefect artifacts."""
+    plots = {"training": training_plot(results["training"]["curve"]), "confusion": confusion_plot(results["test"])}
+    for name, image in plots.items():
+        storage.write_bytes(storage.join(store.report, PLOTS[name]), image)
+    beside = markdown(store, config, splits, outputs, results, seconds, PLOTS)
+    storage.write_bytes(store.report_md, beside.encode())
+    # The Prefect UI cannot read the store (a local folder, a private bucket): its copy carries the plots inline.
+    inline = {name: "data:image/png;base64," + base64.b64encode(image).decode() for name, image in plots.items()}
+    create_markdown_artifact(
+        key="run-report",
+        markdown=markdown(store, config, splits, outputs, results, seconds, inline),
+        description=f"finetune run {store.run_id}",
+    )
+    create_table_artifact(
+        key="run-metrics",
+        table=metric_rows(results["training"], results["test"], results["promotion"]),
+        description=f"Final metrics of run {store.run_id}",
+    )
+    return store.report_md
+
+
+@task
+def publish_inference_report(model_ref: str, model_uri: str, parameters: dict, result: dict) -> None:
+    """The batch_infer run's report: what labelled what, where the labels are, how fast."""
+    named = f"`{model_ref}`, that is {link(model_uri)}" if model_ref != model_uri else link(model_uri)
+    lines = [
+        f"# batch_infer: {result['rows']:,} rows labelled",
+        "",
+        f"Model: {named}",
+        "",
+        f"Labels: {link(result['output_uri'])} (Parquet: id, text, label, score; complete once "
+        f"`{storage.MARKER}` is there)",
+        "",
+        f"{result['files']} input file(s), {result['rows']:,} rows in {result['seconds']:.1f} s "
+        f"({result['rows'] / result['seconds']:,.0f} rows/s).",
+        "",
+        "## Parameters",
+        "",
+        "```json",
+        json.dumps(parameters, indent=2, default=str),
+        "```",
+        "",
+    ]
+    create_markdown_artifact(
+        key="batch-inference-report", markdown="\n".join(lines), description=f"{model_ref} -> {result['output_uri']}"
+    )

@@ -1,0 +1,198 @@
+"""`strategy: auto`: the fastest training strategy whose memory fits a worker.
+
+The candidates go fastest first, as bench/RESULTS.md measured them (all-MiniLM-L6-v2, 2 CPU workers
+of 1 thread, samples/s): ZeRO-0 58.9, tensor parallel x2 55.4, 2 pipeline stages 55.1, ZeRO-1 42.1,
+ZeRO-2 (0.94x ZeRO-1 in an earlier run), ZeRO-3 24.1, ZeRO-3 with offload 24.0. Then, unmeasured and
+so last, splits of 2 on top of the most memory-saving ZeRO stage each takes, and splits of 4 and 8.
+Offload moves state to host memory, which a GPU worker has beside its own and a CPU worker does not,
+so it is a candidate on GPUs only. The order is measured on CPUs; on GPUs the links between them
+decide what tensor parallelism costs (not measured here).
+
+A candidate's need per worker = model states (DeepSpeed's estimators) + activations + the process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pydantic import BaseModel
+from transformers import AutoConfig, AutoModelForSequenceClassification
+
+from tasks.core.config import hub_free
+
+GIB = 2**30
+# What a CPU worker holds before its model: Python, torch, transformers, DeepSpeed and Ray's worker
+# (RSS of a tiny-model worker, whose model is ~1 MB: 0.65 GiB at its peak). A GPU's memory holds
+# none of it.
+CPU_PROCESS_BYTES = int(0.65 * GIB)
+
+ZERO = [{"zero_stage": stage} for stage in range(4)]
+SPLITS = (2, 4, 8)  # tensor-parallel and pipeline sizes tried
+OFFLOAD = [
+    {"zero_stage": 3, "offload_optimizer": True},
+    {"zero_stage": 3, "offload_optimizer": True, "offload_params": True},
+]
+
+
+class Choice(BaseModel):
+    """What strategy=auto chose and why, as the run's log and manifest record it."""
+
+    settings: dict  # the TrainConfig fields it set
+    need_gb: float  # the estimated need per worker of the chosen strategy
+    budget_gb: float  # the memory per worker it had
+    reason: str
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    params: int
+    layer_params: int  # in the encoder layers: what tensor parallelism splits
+    largest_layer: int  # the most parameters of one module: what ZeRO-3 gathers at once
+    hidden: int
+    heads: int
+    layers: int
+    intermediate: int
+
+    @classmethod
+    def of(cls, name_or_path: str, labels: int) -> ModelSize:
+        """Counted on the model's structure, built without weights (meta device): no load."""
+        import torch
+
+        config = AutoConfig.from_pretrained(name_or_path, num_labels=labels, **hub_free(name_or_path))
+        with torch.device("meta"):
+            model = AutoModelForSequenceClassification.from_config(config)
+        encoder = getattr(getattr(model.base_model, "encoder", None), "layer", None)
+        return cls(
+            params=sum(p.numel() for p in model.parameters()),
+            layer_params=sum(p.numel() for p in encoder.parameters()) if encoder is not None else 0,
+            largest_layer=max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()),
+            hidden=config.hidden_size,
+            heads=config.num_attention_heads,
+            layers=config.num_hidden_layers,
+            intermediate=getattr(config, "intermediate_size", 4 * config.hidden_size),
+        )
+
+
+def model_state_bytes(size: ModelSize, settings: dict, workers: int) -> int:
+    """Parameters, gradients and optimizer state one worker holds on its device: DeepSpeed's
+    estimators for ZeRO-2 and 3, and the same terms for ZeRO-0 and 1 (2 bytes per 16-bit parameter
+    and gradient, 16 for the fp32 master weights and Adam moments, which ZeRO-1 shards). For fp32
+    training, as on CPUs, that overstates by 4 bytes a parameter: the main job was estimated at 2.02
+    GiB per worker and peaked at 1.49. Tensor
+    parallelism divides the encoder layers by tp, pipeline stages the whole model by pp (about: the
+    embeddings ride with the first), and the replicas ZeRO shards over by either."""
+    # imported here: deepspeed probes the accelerator, and logs it, at import
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+    tp, pp = settings.get("tensor_parallel_size", 1), settings.get("pipeline_parallel_size", 1)
+    params = (size.params - size.layer_params + size.layer_params // tp) // pp
+    replicas = max(1, workers // (tp * pp))
+    stage, offload = settings.get("zero_stage", 0), settings.get("offload_optimizer", False)
+    if stage == 3:
+        return estimate_zero3_model_states_mem_needs(
+            params, size.largest_layer // tp, replicas, 1, offload, settings.get("offload_params", False)
+        )[1]
+    if stage == 2:
+        return estimate_zero2_model_states_mem_needs(params, replicas, 1, offload)[1]
+    return 4 * params + 16 * params // (replicas if stage == 1 else 1)
+
+
+def activation_bytes(size: ModelSize, micro_batch: int, seq: int, tp: int, pp: int) -> int:
+    """Activations kept for backward, at 4 bytes: per layer s*b*h*(10 + 24/t + 5*a*s/(h*t)) bytes at
+    16 bits (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models"),
+    doubled for fp32, which is what CPUs train in. A pipeline stage holds layers/pp layers, for up to
+    pp micro-batches in flight (the first stage, in DeepSpeed's one-forward-one-backward schedule)."""
+    s, b, h, a = seq, micro_batch, size.hidden, size.heads
+    return int(2 * (size.layers // pp) * pp * s * b * h * (10 + 24 / tp + 5 * a * s / (h * tp)))
+
+
+def candidates(use_gpu: bool) -> list[dict]:
+    """Fastest first (see above); pipelines with ZeRO-1 at most, all DeepSpeed's pipeline engine takes."""
+    last = OFFLOAD[-1] if use_gpu else ZERO[-1]
+    measured = [
+        ZERO[0],
+        {"zero_stage": 0, "tensor_parallel_size": 2},
+        {"zero_stage": 0, "pipeline_parallel_size": 2},
+        *ZERO[1:],
+        *(OFFLOAD if use_gpu else []),
+    ]
+    return [
+        *measured,
+        *({**last, "tensor_parallel_size": size} for size in SPLITS),
+        *({**ZERO[1], "pipeline_parallel_size": size} for size in SPLITS),
+    ]
+
+
+def pick(options: list[tuple[dict, int, int]]) -> Choice:
+    """The first of (settings, bytes needed per worker, bytes each has), fastest first, that fits;
+    else a refusal that names the least need."""
+    for index, (settings, need, budget) in enumerate(options):
+        if need <= budget:
+            faster = ", ".join(f"{describe(s)} ~{n / GIB:.2f}" for s, n, _ in options[:index])
+            reason = (
+                f"{describe(settings)} needs ~{need / GIB:.2f} GiB per worker of the {budget / GIB:.2f} GiB each has"
+                + (f"; the faster need more ({faster})" if faster else ", and it is the fastest")
+            )
+            return Choice(
+                settings=settings, need_gb=round(need / GIB, 3), budget_gb=round(budget / GIB, 3), reason=reason
+            )
+    settings, need, budget = min(options, key=lambda option: option[1] - option[2])
+    raise ValueError(
+        f"train.strategy=auto: no strategy fits a worker; the closest, {describe(settings)}, needs ~{need / GIB:.2f} GiB "
+        f"per worker of the {budget / GIB:.2f} GiB each has: give workers more memory (train.memory_per_worker_gb, "
+        "larger nodes), or shorten model.max_length or train.micro_batch_size"
+    )
+
+
+def describe(settings: dict) -> str:
+    split = settings.get("tensor_parallel_size", 1) * settings.get("pipeline_parallel_size", 1) > 1
+    words = [f"ZeRO-{settings['zero_stage']}" if settings["zero_stage"] or split else "data parallel (ZeRO-0)"]
+    if settings.get("offload_params"):
+        words.append("parameter and optimizer offload")
+    elif settings.get("offload_optimizer"):
+        words.append("optimizer offload")
+    if settings.get("tensor_parallel_size", 1) > 1:
+        words.append(f"tensor parallel x{settings['tensor_parallel_size']}")
+    if settings.get("pipeline_parallel_size", 1) > 1:
+        words.append(f"{settings['pipeline_parallel_size']} pipeline stages")
+    return " + ".join(words)
+
+
+def memory_per_cpu(use_gpu: bool) -> float | None:
+    """On CPUs, the memory a worker gets per CPU it takes: the least of any node's, as Ray counts its
+    memory (its `memory` resource); None on GPUs, where a worker has its GPU's (gpu_memory)."""
+    import ray
+
+    if use_gpu:
+        return None
+    nodes = [node["Resources"] for node in ray.nodes() if node["Alive"] and node["Resources"].get("CPU")]
+    if not nodes:  # a cluster at rest, its workers' nodes yet to come
+        raise ValueError(
+            "train.strategy=auto: no node with CPUs is up to read a worker's memory from: set train.memory_per_worker_gb"
+        )
+    return min(node.get("memory", 0) / node["CPU"] for node in nodes)
+
+
+def gpu_memory() -> int:
+    """A GPU's memory, read on a GPU node of the cluster (the driver may have none)."""
+    import ray
+
+    def total() -> int:
+        import torch
+
+        return torch.cuda.get_device_properties(0).total_memory
+
+    return ray.get(ray.remote(num_gpus=1, num_cpus=0)(total).remote())
+
+
+def need_bytes(size: ModelSize, settings: dict, workers: int, micro_batch: int, seq: int, use_gpu: bool) -> int:
+    """What one worker needs under `settings`, planned as `workers` of `micro_batch` rows of `seq` tokens."""
+    tp, pp = settings.get("tensor_parallel_size", 1), settings.get("pipeline_parallel_size", 1)
+    process = 0 if use_gpu else CPU_PROCESS_BYTES
+    # a replica's micro-batch is its ranks' together (tasks/train/worker.py Replica)
+    return (
+        model_state_bytes(size, settings, workers)
+        + activation_bytes(size, micro_batch * tp * pp, seq, tp, pp)
+        + process
+    )

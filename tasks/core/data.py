@@ -1,0 +1,363 @@
+"""Reading labelled splits from any fsspec location, and validating them before cluster work.
+
+A split is one or more files, directories or globs. Every problem raises DataError naming the file
+and what is wrong with it, so a bad input stops the flow before Ray starts and before anything is
+written to storage. Files are read in chunks of CHUNK_ROWS rows, here and in the Ray workers, so
+memory follows the chunk size, never the file size; and as pieces of at most PIECE_BYTES, so one
+huge file is still read by many workers at once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from itertools import accumulate, pairwise
+from pathlib import PurePosixPath
+
+import pandas as pd
+import pyarrow.parquet as pq
+
+from tasks.core import storage
+from tasks.core.config import DataConfig
+
+SPLITS = ("train", "validation", "test")
+EXTENSIONS = {
+    ".jsonl": "jsonl",
+    ".json": "jsonl",
+    ".csv": "csv",
+    ".tsv": "tsv",
+    ".parquet": "parquet",
+    ".pq": "parquet",
+}
+SHOWN_ROWS = 5  # rows (or files) quoted in an error message
+CHUNK_ROWS = 10_000  # rows in memory at once per reader of a split's file
+PIECE_BYTES = 8 << 20  # the most of one file a worker task is given: pieces are what tasks balance
+# UTF-8, with or without the byte-order mark that spreadsheets and many Windows tools write first:
+# read as utf-8, pandas' JSON reader took it for a value ("Expected object or value at position 0").
+# Only a file's first piece starts with it; the content hash still reads the bytes as they are.
+TEXT_ENCODING = "utf-8-sig"
+
+
+class DataError(ValueError):
+    """Input data that ftflow refuses, with the file and the problem in the message."""
+
+
+def file_format(uri: str, declared: str = "auto") -> str:
+    if declared != "auto":
+        return declared
+    suffix = PurePosixPath(uri).suffix.lower()
+    if suffix not in EXTENSIONS:
+        raise DataError(
+            f"{uri}: cannot tell the format from '{suffix}'; name one of {sorted(set(EXTENSIONS.values()))}"
+        )
+    return EXTENSIONS[suffix]
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A contiguous part of one file that one task reads: for JSONL the lines that start in bytes
+    [start, stop), for Parquet row groups [start, stop); CSV and TSV files are read whole (a quoted
+    field may hold a newline, so bytes alone cannot tell where a row starts). `rows`, `first_row`
+    (in the split) and `file_row` (in the file) are known once the piece has been checked; a
+    Parquet piece's `file_row` already from the footer."""
+
+    uri: str
+    start: int
+    stop: int
+    size: int  # bytes, to balance pieces across tasks
+    rows: int = 0
+    first_row: int = 0
+    file_row: int = 0
+
+
+@contextmanager
+def reading(uri: str, fmt: str) -> Iterator[None]:
+    """The parsers' own errors (pyarrow's name no file), as one DataError naming the file."""
+    try:
+        yield
+    except DataError:
+        raise
+    except Exception as err:
+        raise DataError(f"{uri}: cannot be read as {fmt}: {err}") from err
+
+
+def cut(uri: str, fmt: str = "auto", piece_bytes: int | None = None) -> list[Piece]:
+    """A file as pieces of about piece_bytes (PIECE_BYTES unless given; at least one piece)."""
+    fmt, piece_bytes = file_format(uri, fmt), piece_bytes or PIECE_BYTES
+    fs, path = storage.filesystem(uri)
+    size = fs.size(path)
+    if fmt == "parquet":
+        with fs.open(path, "rb") as f, reading(uri, fmt):
+            meta = pq.ParquetFile(f).metadata
+        pieces, start, taken, first, row = [], 0, 0, 0, 0
+        for group in range(meta.num_row_groups):
+            group_bytes = meta.row_group(group).total_byte_size
+            if taken and taken + group_bytes > piece_bytes:
+                pieces.append(Piece(uri, start, group, taken, file_row=first))
+                start, taken, first = group, 0, row
+            taken += group_bytes
+            row += meta.row_group(group).num_rows
+        return [*pieces, Piece(uri, start, meta.num_row_groups, taken, file_row=first)]
+    count = max(1, -(-size // piece_bytes)) if fmt == "jsonl" else 1
+    bounds = [size * i // count for i in range(count + 1)]
+    return [Piece(uri, start, stop, stop - start) for start, stop in pairwise(bounds)]
+
+
+class _Lines(io.RawIOBase):
+    """The lines of a file that start in bytes [start, stop), as a file the parsers read whole. Each
+    line belongs to the piece its first byte is in, so consecutive pieces hold every line once."""
+
+    def __init__(self, f, start: int, stop: int) -> None:
+        f.seek(max(0, start - 1))
+        if start:
+            f.readline()  # the line under way at `start` is the previous piece's
+        self.f, self.stop, self.pending = f, stop, b""
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        if not self.pending and self.f.tell() < self.stop:
+            self.pending = self.f.read(min(len(buffer), self.stop - self.f.tell()))
+            if self.f.tell() >= self.stop and self.pending and not self.pending.endswith(b"\n"):
+                self.pending += self.f.readline()  # the line that crosses `stop` is this piece's
+        taken, self.pending = self.pending[: len(buffer)], self.pending[len(buffer) :]
+        buffer[: len(taken)] = taken
+        return len(taken)
+
+
+def iter_frames(
+    uri: str, fmt: str = "auto", chunk_rows: int = 50_000, piece: Piece | None = None
+) -> Iterator[pd.DataFrame]:
+    """Stream a file, or one piece of it, as DataFrames of at most chunk_rows rows; text stays text
+    (no type guessing)."""
+    fmt = file_format(uri, fmt)
+    fs, path = storage.filesystem(uri)
+    with fs.open(path, "rb") as f:
+        if fmt == "parquet":
+            groups = range(piece.start, piece.stop) if piece else None
+            for batch in pq.ParquetFile(f).iter_batches(batch_size=chunk_rows, row_groups=groups):
+                yield batch.to_pandas()
+        elif fmt == "jsonl":
+            lines = io.BufferedReader(_Lines(f, piece.start, piece.stop), 1 << 20) if piece else f
+            yield from pd.read_json(lines, lines=True, dtype=False, chunksize=chunk_rows, encoding=TEXT_ENCODING)
+        else:
+            sep = "\t" if fmt == "tsv" else ","
+            yield from pd.read_csv(
+                f, sep=sep, dtype=str, keep_default_na=False, chunksize=chunk_rows, encoding=TEXT_ENCODING
+            )
+
+
+def numbered(pieces: list[Piece], fmt: str = "auto") -> list[Piece]:
+    """One file's pieces (from `cut`), each with `file_row`, the number of its first row in the file.
+    `cut` numbers Parquet's from the footer and a CSV is one piece; JSONL's are numbered by counting
+    the rows of every piece but the last as the reader parses them (one per line; pandas skips
+    blank ones), which reads those pieces once."""
+    if len(pieces) < 2 or file_format(pieces[0].uri, fmt) != "jsonl":
+        return pieces
+    fs, path = storage.filesystem(pieces[0].uri)
+    with fs.open(path, "rb") as f:
+        rows = [
+            sum(1 for line in io.BufferedReader(_Lines(f, piece.start, piece.stop), 1 << 20) if line.strip())
+            for piece in pieces[:-1]
+        ]
+    return [replace(piece, file_row=first) for piece, first in zip(pieces, accumulate(rows, initial=0), strict=True)]
+
+
+def columns_of(uri: str, fmt: str = "auto") -> list[str] | None:
+    """A file's columns, from its Parquet footer or its first row (None: no rows): enough to refuse
+    a file without the configured columns before any cluster work, without reading the corpus."""
+    fmt = file_format(uri, fmt)
+    with reading(uri, fmt):
+        if fmt == "parquet":
+            fs, path = storage.filesystem(uri)
+            with fs.open(path, "rb") as f:
+                return pq.ParquetFile(f).schema_arrow.names
+        first = next(iter_frames(uri, fmt, chunk_rows=1), None)
+        return None if first is None else list(first.columns)
+
+
+def unlabelled_files(uris: str | list[str], text_column: str, id_column: str | None) -> list[str]:
+    """Files to label: each found, read as its format, holding the text (and id) column."""
+    files = expand_inputs(uris)
+    check_columns(files, text_column, id_column)
+    return files
+
+
+def check_columns(files: list[str], text_column: str, id_column: str | None) -> None:
+    """Each file, read as its format, holds the text (and id) column."""
+    for uri in files:
+        columns = columns_of(uri)
+        missing = [
+            column for column in (text_column, id_column) if column and columns is not None and column not in columns
+        ]
+        if missing:
+            raise DataError(f"{uri}: column '{missing[0]}' not found; columns are {columns}")
+
+
+def rows_per_byte(uri: str, fmt: str = "auto", sample_bytes: int = 1 << 20) -> float:
+    """A file's rows per byte, from its Parquet footer or from the lines in its first MiB: enough to
+    size work from file sizes without reading the corpus."""
+    fmt = file_format(uri, fmt)
+    fs, path = storage.filesystem(uri)
+    with fs.open(path, "rb") as f:
+        if fmt == "parquet":
+            return pq.ParquetFile(f).metadata.num_rows / max(1, fs.size(path))
+        head = f.read(sample_bytes)
+    return head.count(b"\n") / max(1, len(head))
+
+
+def expand_inputs(uris: str | list[str]) -> list[str]:
+    """Files, directories (every data file under them) or globs, as one sorted list of file URIs."""
+    uris = [uris] if isinstance(uris, str) else uris
+    if not uris:
+        raise DataError("no inputs given: name at least one file, directory or glob")
+    return sorted({found for uri in uris for found in _expand(uri)})
+
+
+def _expand(uri: str) -> list[str]:
+    fs, path = storage.filesystem(uri)
+    protocol = uri.split("://")[0] + "://" if storage.is_remote(uri) else ""
+    if fs.isdir(path):
+        found = [p for p in fs.find(path) if PurePosixPath(p).suffix.lower() in EXTENSIONS]
+    elif any(ch in path for ch in "*?["):
+        found = fs.glob(path)
+    elif fs.exists(path):
+        found = [path]
+    else:
+        raise DataError(f"{uri}: file not found")
+    if not found:
+        raise DataError(f"{uri}: no input files found")
+    return [protocol + p for p in found]
+
+
+def shown(uris: Sequence[str]) -> str:
+    """Files named in a message: all of a few, the first few of many."""
+    return ", ".join(uris[:SHOWN_ROWS]) + (f" ... ({len(uris)} files)" if len(uris) > SHOWN_ROWS else "")
+
+
+@dataclass(frozen=True)
+class Schema:
+    """How every file of every split is read: the same for the driver's checks and the workers."""
+
+    format: str
+    text_column: str
+    label_column: str
+    label_names: tuple[str, ...]
+
+    @classmethod
+    def of(cls, cfg: DataConfig) -> Schema:
+        return cls(cfg.format, cfg.text_column, cfg.label_column, tuple(cfg.label_names))
+
+
+@dataclass(frozen=True)
+class Split:
+    """A checked split: where its rows are, never the rows themselves (readers stream them)."""
+
+    name: str
+    uris: tuple[str, ...]  # sorted: global row numbers run through the files in this order
+    pieces: tuple[Piece, ...]  # in the same order, each with its row count and first row
+    sha256: str  # the file's own when there is one, else over the files' hashes in order
+    classes: frozenset[int]  # label ids seen
+    schema: Schema
+
+    @property
+    def total_rows(self) -> int:
+        return sum(piece.rows for piece in self.pieces)
+
+
+def _rows(mask: pd.Series) -> str:
+    rows = mask[mask].index[:SHOWN_ROWS].tolist()
+    return f"rows {rows}{' ...' if mask.sum() > SHOWN_ROWS else ''}"
+
+
+def _label_ids(uri: str, column: pd.Series, names: Sequence[str]) -> pd.Series:
+    """Labels given as names or as ids (ints, or digit strings from CSV) -> ids."""
+    by_name = {name: i for i, name in enumerate(names)}
+
+    def to_id(value) -> int | None:
+        if isinstance(value, str):
+            if value in by_name:
+                return by_name[value]
+            value = int(value) if value.strip().isdigit() else None
+        if isinstance(value, (int,)) and not isinstance(value, bool) and 0 <= value < len(names):
+            return int(value)
+        if isinstance(value, float) and value.is_integer() and 0 <= value < len(names):
+            return int(value)
+        return None
+
+    ids = column.map(to_id)
+    bad = ids.isna()
+    if bad.any():
+        values = sorted({repr(v) for v in column[bad]})[:SHOWN_ROWS]
+        raise DataError(
+            f"{uri}: column '{column.name}' has labels outside {list(names)} (or ids 0..{len(names) - 1}): "
+            f"{', '.join(values)} at {_rows(bad)}"
+        )
+    return ids.astype("int64")
+
+
+def _checked(uri: str, frame: pd.DataFrame, schema: Schema) -> pd.DataFrame:
+    for column in (schema.text_column, schema.label_column):
+        if column not in frame.columns:
+            raise DataError(f"{uri}: column '{column}' not found; columns are {list(frame.columns)}")
+    texts = frame[schema.text_column]
+    not_text = ~texts.map(lambda t: isinstance(t, str))
+    if not_text.any():
+        raise DataError(f"{uri}: column '{schema.text_column}' has non-string values at {_rows(not_text)}")
+    blank = texts.str.strip() == ""
+    if blank.any():
+        raise DataError(f"{uri}: column '{schema.text_column}' has empty texts at {_rows(blank)}")
+    return pd.DataFrame({"text": texts, "label": _label_ids(uri, frame[schema.label_column], schema.label_names)})
+
+
+def labelled_frames(
+    uri: str, schema: Schema, chunk_rows: int = CHUNK_ROWS, piece: Piece | None = None
+) -> Iterator[pd.DataFrame]:
+    """A file's rows (or a piece's), checked, as frames of (text, label id) indexed by the row
+    number in the file."""
+    seen = piece.file_row if piece else 0
+    with reading(uri, file_format(uri, schema.format)):
+        for frame in iter_frames(uri, schema.format, chunk_rows, piece):
+            frame.index = pd.RangeIndex(seen, seen + len(frame))  # Parquet batches each start at 0
+            seen += len(frame)
+            yield _checked(uri, frame, schema)
+
+
+def combined_sha256(uris: Sequence[str]) -> str:
+    """A one-file split's hash is the file's own (what sha256sum prints, as manifests always held);
+    several files hash their hashes in order, so moving bytes between files changes it too."""
+    hashes = [storage.sha256(uri) for uri in uris]
+    return hashes[0] if len(hashes) == 1 else hashlib.sha256("\n".join(hashes).encode()).hexdigest()
+
+
+def load_split(name: str, uris: str | list[str], cfg: DataConfig) -> Split:
+    """Read every row of the split once, piece by piece and chunk by chunk, to refuse bad input
+    early; keep only counts."""
+    files, schema = tuple(expand_inputs(uris)), Schema.of(cfg)
+    pieces, classes, first_row = [], set(), 0
+    for uri in files:
+        file_row = 0
+        for piece in cut(uri, schema.format):
+            piece = replace(piece, first_row=first_row, file_row=file_row)
+            for frame in labelled_frames(uri, schema, piece=piece):
+                file_row += len(frame)
+                classes.update(frame["label"].unique().tolist())
+            pieces.append(replace(piece, rows=file_row - piece.file_row))
+            first_row += pieces[-1].rows
+    if not first_row:
+        raise DataError(f"{shown(files)}: the {name} split is empty")
+    return Split(name, files, tuple(pieces), combined_sha256(files), frozenset(classes), schema)
+
+
+def load_splits(cfg: DataConfig) -> dict[str, Split]:
+    splits = {name: load_split(name, getattr(cfg, f"{name}_uri"), cfg) for name in SPLITS}
+    if len(splits["train"].classes) < 2:
+        only = cfg.label_names[next(iter(splits["train"].classes))]
+        raise DataError(
+            f"{shown(splits['train'].uris)}: the training split has a single class ('{only}'); it needs at least two"
+        )
+    return splits

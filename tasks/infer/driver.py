@@ -1,0 +1,203 @@
+"""Stage 4, the driver side (a Ray job on the cluster, no Prefect): batch inference with Ray Data,
+model actors (tasks/infer/worker.py) labelling the input files a part at a time, Parquet out."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pyarrow.dataset
+import ray
+from ray.data import DataContext
+
+from tasks.core import cluster, jobs, storage
+from tasks.core.config import InferenceConfig
+from tasks.core.data import cut, expand_inputs, numbered, rows_per_byte
+from tasks.core.progress import Tick, log_tick, periodically, relayed, tallies
+from tasks.infer.worker import Counts, Labeller
+
+PROGRESS_EVERY_S = 5.0
+PARTS_PER_ACTOR = 4  # at least, so that the last part to finish is a small share of any actor's work
+PART_BYTES = 64 << 20  # the most of a file one actor call labels: what a retried call redoes
+# Fewer rows than this (estimated), and unless `actors` says otherwise, one actor takes every CPU:
+# a second actor's start (torch, transformers and the model, beside the first's) costs more than
+# it labels. all-MiniLM-L6-v2 on 2 cores: 1,066 rows in 10.1-10.9 s with one actor against 15.4 s
+# with two; 4,000 rows in 24.4 s against 25.0 s.
+ONE_ACTOR_ROWS = 4_000
+
+
+def labelled(model_uri: str, cfg: InferenceConfig, output_uri: str) -> dict:
+    """The stage's Ray work (tasks/core/jobs.py runs it where the cluster is): the files as the cluster
+    sees them, cut into parts, then one Ray Data pipeline of model actors, each labelling a part per
+    call (tasks/infer/worker.py)."""
+    files = expand_inputs(cfg.input_uri)
+    text_column, output = cfg.text_column or "text", storage.OutputFolder(output_uri)
+    sizes = {uri: storage.size(uri) for uri in files}  # once: for the actors and the parts
+    resources = cluster.Resources.of_cluster()
+    actors, cpus, gpus = resources.inference_actors(
+        cfg.actors or (1 if estimated_rows(sizes) < ONE_ACTOR_ROWS else None), resources.use_gpu(cfg.device)
+    )
+    parts = cut_in_parts(sizes, actors)
+    job = output.start()  # a re-run replaces exactly what an earlier job here wrote, complete or not
+    out_path, out_fs = storage.pyarrow_filesystem(output_uri)
+    logger, started = jobs.log, time.perf_counter()
+    # Ray Data waits for an actor pool's replicas forever unless told otherwise: a pool no node can
+    # hold (or that the autoscaler does not add in time) fails instead, below.
+    DataContext.get_current().wait_for_min_actors_s = cfg.wait_for_actors_s
+    with logging_progress(parts, logger) as channel, pool_failures(actors, cpus, gpus, cfg.wait_for_actors_s):
+        ray.data.from_items(parts, override_num_blocks=len(parts)).map_batches(
+            Labeller,
+            fn_constructor_kwargs={
+                "model_uri": model_uri,
+                "output": (out_path, out_fs),
+                "job": job,
+                "text_column": text_column,
+                "id_column": cfg.id_column,
+                "window_rows": cfg.window_rows,
+                "batch_size": cfg.batch_size,
+                "threads": max(1, round(cpus)),
+                "precision": cfg.precision,
+                "channel": channel,
+            },
+            batch_size=1,  # a part per call
+            batch_format="pandas",
+            concurrency=actors,
+            num_cpus=cpus,
+            num_gpus=gpus,
+        ).materialize()
+    seconds = time.perf_counter() - started
+    written = output.written(job)
+    rows = pyarrow.dataset.dataset(
+        [f"{out_path}/{name}" for name in written], filesystem=out_fs, format="parquet"
+    ).count_rows()
+    output.complete(
+        job,
+        written,
+        {
+            "rows": rows,
+            "inputs": {uri: storage.fingerprint(uri) for uri in files},
+            "model": {"uri": model_uri, "fingerprint": storage.fingerprint(model_uri)},
+            "text_column": text_column,
+            "id_column": cfg.id_column,
+        },
+    )
+    log_tick(
+        logger,
+        Tick(
+            stage="batch inference",
+            done=rows,
+            total=rows,
+            unit="rows",
+            metrics={"rows_per_s": rows / seconds},
+            text=f"{rows / seconds:,.0f} rows/s",
+        ),
+    )
+    logger.info(
+        "labelled %d rows from %d file(s) into %s in %.1f s (%.0f rows/s)",
+        rows,
+        len(files),
+        output_uri,
+        seconds,
+        rows / seconds,
+    )
+    return {
+        "output_uri": output_uri,
+        "rows": rows,
+        "files": len(files),
+        "seconds": round(seconds, 2),
+        "rows_per_s": round(rows / seconds, 1),
+        "actors": actors,
+        "parts": len(parts),
+    }
+
+
+def cut_in_parts(sizes: dict[str, int], actors: int) -> list[dict]:
+    """The files as parts of at most an actor's share of the corpus over PARTS_PER_ACTOR (and at
+    most PART_BYTES): whole files, or pieces of larger ones, each with its first row in the file for
+    the default row ids. For two actors, 16 files of 625 rows are 16 parts, and one file of 10,000
+    rows is 8: the actors share the work evenly however it is laid out in files."""
+    share = sum(sizes.values()) / (actors * PARTS_PER_ACTOR) if actors > 1 else PART_BYTES
+    base = os.path.commonpath(list(sizes)) if len(sizes) > 1 else ""
+    parts = []
+    for uri in sizes:
+        name = os.path.relpath(uri, base) if base else Path(uri).name
+        for piece in numbered(cut(uri, piece_bytes=max(1, int(min(share, PART_BYTES))))):
+            parts.append(
+                {
+                    "uri": uri,
+                    "start": piece.start,
+                    "stop": piece.stop,
+                    "size": piece.size,
+                    "file_row": piece.file_row,
+                    "name": name,
+                    "part": len(parts),
+                }
+            )
+    return parts
+
+
+@contextmanager
+def pool_failures(actors: int, cpus: float, gpus: int, wait_s: float) -> Iterator[None]:
+    """Ray Data's timeout on starting the actor pool as one line saying what did not come, and any
+    failure raised again without Ray Data's frames: they hold the actor pool's handles, and Prefect
+    keeps a failed run's exception, so the actors and their CPUs outlived the job (seen: after a
+    part failed to parse, the next job on the same Ray waited for CPUs until wait_for_actors_s)."""
+    try:
+        yield
+    except ray.exceptions.GetTimeoutError as error:
+        if "Timed out while starting actors" not in str(error):
+            raise without_frames(error) from None
+        raise RuntimeError(
+            f"the Ray cluster did not start {actors} inference actor(s) of {cpus:.2g} CPU{f' and {gpus} GPU' if gpus else ''} "
+            f"each within wait_for_actors_s={wait_s:g}: no node can hold one, or none was added in time; "
+            "see `ray status`"
+        ) from None
+    except Exception as error:  # noqa: BLE001 -- raised again, without Ray Data's frames
+        raise without_frames(error) from None
+
+
+def without_frames(error: Exception) -> Exception:
+    """The error with no traceback and no context: the exception Ray Data was handling when it
+    raised this one holds its frames too."""
+    error.__context__ = None
+    return error.with_traceback(None)
+
+
+def estimated_rows(sizes: dict[str, int]) -> float:
+    """The corpus's rows, from the first file's rows per byte times the corpus's bytes (counting
+    them would read the corpus twice)."""
+    return rows_per_byte(next(iter(sizes))) * sum(sizes.values())
+
+
+@contextmanager
+def logging_progress(parts: list[dict], logger) -> Iterator[str]:
+    """A channel (tasks/core/progress.py) for the pipeline's actors to tally their counts on, and while the
+    pipeline runs, every PROGRESS_EVERY_S: rows labelled of the total, and rows/s. The total is exact
+    once every part is done; before, an estimate from the bytes done so far (counting rows up front
+    would read the corpus twice). Ray Data's own progress bars go to the driver's terminal, not to the
+    logs a person follows in the UI."""
+    started, total_bytes = time.perf_counter(), sum(part["size"] for part in parts)
+
+    def report() -> None:  # reads `channel`, opened below before the first report
+        counts = [Counts.model_validate_json(value) for value in tallies(channel)]
+        parts_done, bytes_done, rows_done, labelled = (sum(getattr(c, n) for c in counts) for n in Counts.model_fields)
+        rate = labelled / (time.perf_counter() - started)
+        total = rows_done if parts_done == len(parts) else rows_done * total_bytes / bytes_done if bytes_done else None
+        estimated = "" if parts_done == len(parts) else f" (total estimated; {parts_done}/{len(parts)} parts done)"
+        log_tick(
+            logger,
+            Tick(
+                stage="batch inference",
+                done=labelled,
+                total=total,
+                unit="rows",
+                metrics={"rows_per_s": rate},
+                text=f"{rate:,.0f} rows/s{estimated}",
+            ),
+        )
+
+    with relayed(logger) as channel, periodically(report, PROGRESS_EVERY_S):
+        yield channel

@@ -1,0 +1,1 @@
+"""Stage 3b. task.py: the promotion gate; registry.py: the champion pointers in storage."""

@@ -1,0 +1,31 @@
+"""The model registry in storage: each entry's champion, read by batch inference and written by the
+promotion gate (tasks/promote/task.py).
+
+    <root>/models/<name>/champion   JSON: the champion's model URI, its run, its score on the test split
+
+Kept free of Prefect and Ray: `ftflow infer models/<name>@champion` resolves the name before
+anything starts.
+"""
+
+from __future__ import annotations
+
+import re
+
+from tasks.core import storage
+
+CHAMPION_REF = re.compile(r"^models/(?P<name>[^/]+)@champion$")
+
+
+def resolve(model_uri: str, root: str) -> str:
+    """`models/<name>@champion` -> the champion's model URI under `root`; any other URI as it is."""
+    match = CHAMPION_REF.match(model_uri)
+    if not match:
+        return model_uri
+    pointer = storage.StorageRoot(root).champion(match["name"])
+    if not storage.exists(pointer):
+        raise ValueError(
+            f"model_uri {model_uri}: the registry entry '{match['name']}' under {storage.normalize(root)} has no "
+            f"champion yet (no {pointer}): a finetune run with promotion.model_name='{match['name']}' and this "
+            "storage_root promotes one"
+        )
+    return storage.read_json(pointer)["model_uri"]

@@ -1,0 +1,147 @@
+"""Stage 1, the driver side (a Ray job on the cluster, no Prefect): the content key of a shard set, the
+tokenizer, and the splits tokenized in parallel, a Ray task per shard (tasks/tokenize/worker.py),
+into Parquet shards in storage, the marker written last."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+
+import ray
+from pydantic import BaseModel
+from tokenizers import Tokenizer
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from tasks.core import cluster, jobs, storage
+from tasks.core.config import hub_free
+from tasks.core.data import Split
+from tasks.core.progress import Tick, log_tick
+from tasks.core.text import truncating
+from tasks.tokenize.worker import SPLITS, shards, write_shard
+from tasks.validate.checks import training_model
+
+# One Ray task per shard; the function lives in tasks/tokenize/worker.py, so the workers import no Prefect.
+write = ray.remote(num_cpus=cluster.READ_CPUS)(write_shard)
+
+
+class TokenizeKey(BaseModel):
+    """Everything the shards depend on, and nothing else (no paths, no run ids)."""
+
+    data_sha256: dict[str, str]
+    reading: dict  # format, columns and label names: the same bytes read otherwise give other rows
+    tokenizer_sha256: str
+    max_length: int
+    root: str
+
+    @property
+    def digest(self) -> str:
+        return hashlib.sha256(self.model_dump_json().encode()).hexdigest()[:16]
+
+    @property
+    def target(self) -> str:
+        return storage.StorageRoot(self.root).tokenized(self.digest)
+
+    @property
+    def uris(self) -> dict[str, str]:
+        """Each split's shards."""
+        return {name: storage.join(self.target, name) for name in SPLITS}
+
+    def shards_exist(self) -> bool:
+        """False when the shards a cached result points to are gone or were never completed (an
+        interrupted run leaves shards without the marker): then tokenize again."""
+        return storage.exists(storage.join(self.target, storage.MARKER))
+
+
+def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
+    """The model's fast tokenizer, or what is wrong with the model in one line: transformers' own
+    words for a folder that is not there are "Repo id must be in the form 'repo_name' or ..."."""
+    training_model(name_or_path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path, **hub_free(name_or_path))
+    except (OSError, ValueError) as error:  # a hub id that is not in the local cache, or not on the hub
+        offline = (
+            " (HF_HUB_OFFLINE is set: nothing is downloaded)"
+            if os.environ.get("HF_HUB_OFFLINE") in ("1", "true")
+            else ""
+        )
+        raise ValueError(
+            f"model.name_or_path {name_or_path}: not a folder here, and the Hugging Face hub does not resolve it"
+            f"{offline}: {str(error).splitlines()[0]}"
+        ) from None
+    if not tokenizer.is_fast:
+        raise ValueError(f"model.name_or_path {name_or_path}: ftflow needs a fast (Rust) tokenizer, tokenizer.json")
+    return tokenizer
+
+
+def tokenize_key(
+    splits: dict[str, Split], tokenizer: PreTrainedTokenizerBase, max_length: int, root: str
+) -> TokenizeKey:
+    vocab = json.dumps([tokenizer.backend_tokenizer.to_str(), tokenizer.model_max_length], sort_keys=True)
+    return TokenizeKey(
+        data_sha256={name: split.sha256 for name, split in splits.items()},
+        reading=dataclasses.asdict(splits["train"].schema),
+        tokenizer_sha256=hashlib.sha256(vocab.encode()).hexdigest(),
+        max_length=max_length,
+        root=storage.normalize(root),
+    )
+
+
+def _tokenize_splits(
+    splits: dict[str, Split], tokenizer: Tokenizer, targets: dict[str, str], job: str
+) -> dict[str, int]:
+    """Every split's shards as Ray tasks, at most one running per CPU: the work is CPU-bound, and
+    on a 2-CPU machine eight at once ran 4x slower, starting Ray workers that add no speed. READ_CPUS
+    each still, so the tasks never wait on CPUs that model workers hold. Plain tasks rather than a
+    Ray Data pipeline: Ray Data's executor and its first-run actors cost 1.4 s of a 5.5 s run at
+    100k rows, and this work has no stream to manage (each task returns one count). Returns the
+    rows written per split."""
+    for target in targets.values():
+        fs, path = storage.filesystem(target)
+        fs.makedirs(path, exist_ok=True)
+    cpus = max(1, int(cluster.Resources.of_cluster().cpus))
+    schema, tokenizer = ray.put(splits["train"].schema), ray.put(tokenizer)
+    running, written, planned = {}, dict.fromkeys(SPLITS, 0), shards(splits, cpus)
+    try:
+        for started, shard in enumerate(planned):
+            if len(running) == cpus:
+                collect(running, written, started - len(running) + 1, len(planned))
+            running[write.remote(shard, schema, tokenizer, targets[shard.split], job)] = shard.split
+        while running:
+            collect(running, written, len(planned) - len(running) + 1, len(planned))
+    except BaseException:
+        # A shard failed (or the run was stopped): the others must not write on into the folder a
+        # retry is about to claim, where a file finished afterwards would join the next set's rows.
+        for task in running:
+            ray.cancel(task, force=True)
+        raise
+    return written
+
+
+def collect(running: dict, written: dict[str, int], finished: int, planned: int) -> None:
+    """Wait for one of the running shards; add its rows to its split's; tell that `finished` of `planned` are done."""
+    [done], _ = ray.wait(list(running), num_returns=1)
+    written[running.pop(done)] += ray.get(done)
+    log_tick(
+        jobs.log,
+        Tick(stage="tokenize", done=finished, total=planned, unit="shards", text=f"{sum(written.values()):,} rows"),
+    )
+
+
+def tokenized_shards(key: TokenizeKey, splits: dict[str, Split], model_name_or_path: str) -> dict[str, str]:
+    """The stage's Ray work (tasks/core/jobs.py runs it where the cluster is): the shards, then the marker."""
+    uris = key.uris
+    output = storage.OutputFolder(key.target)
+    output.check()
+    job = output.start()  # leftovers of an interrupted attempt must not mix with this one
+    tokenizer = truncating(load_tokenizer(model_name_or_path), key.max_length)
+    rows = _tokenize_splits(splits, tokenizer, uris, job)
+    for name in SPLITS:
+        if rows[name] != splits[name].total_rows:  # a file changed since it was checked
+            raise RuntimeError(
+                f"{name}: wrote {rows[name]} rows, but its files held {splits[name].total_rows} when checked"
+            )
+    output.complete(job, output.written(job), {"rows": rows})
+    jobs.log.info("tokenized %s rows into %s", rows, key.target)
+    return uris

@@ -1,0 +1,110 @@
+"""What training's driver and workers say to each other, typed: the driver's Plan and WorkerSpec go to
+every worker; rank 0 writes the Result (history, curve, validation predictions) beside the exported
+model as STATE_FILE, and the driver reads it back; a test's Fault rides along. Progress is what a
+checkpoint holds for resume. Imports no Prefect, Ray or torch."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel
+
+from tasks.core.config import TrainConfig
+from tasks.train.strategy import Choice
+
+STATE_FILE = "training_state.json"  # beside the exported model: the history, the curve, the validation predictions
+
+
+class Plan(BaseModel, frozen=True):
+    """How a TrainConfig lands on the cluster (tasks/train/driver.py `plan`)."""
+
+    workers: int
+    cpus_per_worker: float
+    micro_batch: int
+    accumulation: int
+    use_gpu: bool
+    precision: str  # fp32, fp16, bf16, or auto (bf16 where the GPU has it, else fp16)
+
+    def describe(self, cfg: TrainConfig) -> str:
+        device = "GPU" if self.use_gpu else "CPU"
+        return (
+            f"{self.workers} {device} worker(s) of {self.cpus_per_worker:g} CPU"
+            f" x micro-batch {self.micro_batch} x accumulation {self.accumulation}"
+            f" = global batch {cfg.batch_size}, ZeRO-{cfg.zero_stage}, {self.precision}"
+        )
+
+
+class WorkerSpec(BaseModel):
+    """All a worker is told: the typed config, its plan, the DeepSpeed JSON, and where the model goes."""
+
+    train: TrainConfig
+    plan: Plan
+    deepspeed: dict
+    model: str
+    label_names: list[str]
+    max_length: int
+    batches_per_epoch: int  # micro-batches per worker and epoch, the same on every worker
+    max_steps: int  # optimizer steps of the whole run
+    model_uri: str  # where rank 0 writes the consolidated model
+
+
+class Fault(BaseModel):
+    """A fault the tests inject (FTFLOW_TEST_FAULT, as JSON, read by the driver): at optimizer step
+    `step`, worker `rank` raises, or with hang_s waits that long, once per run."""
+
+    step: int
+    rank: int = 0
+    hang_s: float = 0.0
+
+
+class Point(BaseModel):
+    step: int
+    epoch: float
+    loss: float
+    accuracy: float
+
+
+class Curve(BaseModel):
+    """Loss and accuracy per optimizer step, for the run report's plots: training averaged over the
+    rows of every `log_every_steps` steps on all workers, validation at each evaluation."""
+
+    train: list[Point] = []
+    validation: list[Point] = []
+
+
+class EpochRecord(BaseModel):
+    epoch: float  # epochs done at this record: whole, unless max_steps ended the run mid-epoch
+    step: int
+    resumed_from_step: int
+    train_loss: float
+    val_loss: float
+    val_accuracy: float
+    samples_per_s: float  # steady state: after the first micro-batch, evaluations and checkpoints excluded
+    peak_memory_mb: float  # the largest over workers
+    startup_s: float | None  # this attempt's model load, engine build and first micro-batch, in its first epoch only
+    checkpoint_s: float | None  # mean seconds per mid-epoch checkpoint
+
+
+class Progress(BaseModel):
+    """Where training stands, saved in every checkpoint and read back on resume: a resumed run has
+    every epoch and every curve point once."""
+
+    epoch: int = 0  # epochs completed
+    batches_done: int = 0  # micro-batches of the next epoch already trained
+    history: list[EpochRecord] = []
+    curve: Curve = Curve()
+
+
+class Result(BaseModel):
+    """What training leaves beside the model (STATE_FILE)."""
+
+    history: list[EpochRecord]
+    curve: Curve
+    validation_predictions: list[int]  # by validation row, as the engine predicted them
+    nodes: list[str]  # the Ray node of each worker, by rank, in the last attempt
+    layer_parameter_mb: float | None = (
+        None  # the encoder layers' parameters rank 0 holds: what tensor parallelism and ZeRO-3 split
+    )
+    first_step_at: float | None = (
+        None  # Unix time the last attempt's first micro-batch was done (None: it trained none)
+    )
+    cluster: dict = {}  # the cluster that trained (tasks/core/cluster.py describe), added by the driver
+    strategy: Choice | None = None  # what strategy=auto chose and why, added by the driver

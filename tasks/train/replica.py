@@ -1,0 +1,127 @@
+"""The model copy a training worker holds a share of: plain data parallel, a tensor-parallel group or a
+pipeline, trained and read through one interface, and the forward pass on the worker's device."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+
+from tasks.train import pipeline
+from tasks.train.pipeline import mean_loss
+
+
+def on(device: torch.device, tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to(device, non_blocking=True)  # from pinned memory: asynchronous, in order on the stream
+
+
+def logits_of(engine, batch: dict, device: torch.device) -> torch.Tensor:
+    return engine(input_ids=on(device, batch["input_ids"]), attention_mask=on(device, batch["attention_mask"])).logits
+
+
+def forward(engine, batch: dict, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(mean loss over the batch's real rows, logits, labels); padding rows count for nothing."""
+    labels, logits = on(device, batch["labels"]), logits_of(engine, batch, device)
+    return mean_loss(logits, labels), logits, labels
+
+
+class Replica:
+    """The workers that hold one copy of the model between them, and how that copy trains and
+    predicts. A tensor-parallel group splits every layer's matrices, so its ranks compute on the same
+    rows; a pipeline's first stage needs the rows and its last the labels. Either way each rank still
+    reads its own share of the data (Ray's split is unchanged) and the replica joins its ranks'
+    micro-batches into one: the global batch stays micro-batch x accumulation x workers. The rank
+    that holds the logits speaks for the replica in the metrics (the first of a tensor-parallel
+    group, a pipeline's last stage)."""
+
+    def __init__(self, engine, accumulation: int, names: dict[int, str] | None = None, config=None):
+        from deepspeed.utils import groups
+
+        self.engine, self.accumulation, self.names, self.config = engine, accumulation, names, config
+        self.pending: list[dict] = []  # a pipeline's micro-batches of the step to come
+        self.head = pipeline.head(engine) if names is not None else None  # a pipeline's last stage's head
+        if names is not None:  # pipeline stages (tasks/train/pipeline.py)
+            self.group, self.leads = engine.grid.get_pipe_parallel_group(), engine.is_last_stage()
+        elif engine.autotp_size() > 1:
+            self.group, self.leads = (
+                groups.get_tensor_model_parallel_group(),
+                groups.get_tensor_model_parallel_rank() == 0,
+            )
+        else:
+            self.group, self.leads = None, True
+
+    def join(self, batch: dict[str, torch.Tensor], pad_id: int) -> dict[str, torch.Tensor]:
+        if self.group is None:
+            return batch
+        parts: list[dict] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(parts, batch, group=self.group)
+        width = max(part["input_ids"].shape[1] for part in parts)
+        padding = {"input_ids": pad_id, "attention_mask": 0}
+        return {
+            key: torch.cat(
+                [
+                    torch.nn.functional.pad(part[key], (0, width - part[key].shape[1]), value=padding[key])
+                    if key in padding
+                    else part[key]
+                    for part in parts
+                ]
+            )
+            for key in batch
+        }
+
+    def train(
+        self, batch: dict, device: torch.device, offload: bool, alone
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]]:
+        """Train on a micro-batch; yield (loss, logits or None on ranks without them, labels) of each
+        micro-batch computed. A pipeline trains a whole step at once, once its micro-batches are in."""
+        if self.names is None:
+            # save_on_cpu keeps the tensors autograd saves for backward in host memory until needed.
+            with torch.autograd.graph.save_on_cpu(pin_memory=True) if offload else nullcontext(), alone():
+                loss, logits, labels = forward(self.engine, batch, device)
+                self.engine.backward(loss)
+            self.engine.step()  # an optimizer step only at the end of an accumulation cycle
+            yield loss, logits, labels
+            return
+        self.pending.append(batch)
+        if len(self.pending) < self.accumulation:
+            return
+        step, self.pending = self.pending, []
+        loss = self.engine.train_batch(iter([self.pipe_inputs(part, device) for part in step]))
+        logits = self.head.logits if self.head else [None] * len(step)
+        for part, part_logits in zip(step, logits, strict=True):
+            yield loss, part_logits, on(device, part["labels"])
+        if self.head:
+            self.head.logits.clear()
+
+    def logits(self, batch: dict, device: torch.device) -> torch.Tensor | None:
+        """Eval-mode logits of a micro-batch, on the ranks that hold them."""
+        if self.names is None:
+            return logits_of(self.engine, batch, device)
+        _, logits = self.engine.eval_batch(
+            iter([self.pipe_inputs(batch, device)]), return_logits=True, num_micro_batches=1
+        )
+        if self.head:
+            self.head.logits.clear()
+        return logits if self.leads else None
+
+    @staticmethod
+    def pipe_inputs(batch: dict, device: torch.device) -> tuple:
+        return (on(device, batch["input_ids"]), on(device, batch["attention_mask"])), on(device, batch["labels"])
+
+    def layers(self) -> list[torch.nn.Module]:
+        """The encoder layers this worker holds (BERT-family models; none found for others)."""
+        if self.names is not None:
+            return [
+                layer.layer for layer in self.engine.module.forward_funcs if isinstance(layer, pipeline.EncoderLayer)
+            ]
+        return list(getattr(getattr(self.engine.module.base_model, "encoder", None), "layer", None) or [])
+
+    def exported(self) -> tuple[torch.nn.Module | None, dict | None]:
+        """(model, state dict) for rank 0 to save, the whole model gathered from where it is split
+        (ZeRO-3, tensor parallelism, pipeline stages): every rank must call it."""
+        if self.names is not None:
+            return pipeline.consolidated(self.engine, self.names, self.config), None
+        split = self.group is not None or self.engine.zero_optimization_partition_weights()
+        return self.engine.module, self.engine._consolidated_16bit_state_dict() if split else None

@@ -1,0 +1,51 @@
+"""Stage 2, the Prefect side: the `train` task and the plan check that runs before tokenization. Their
+Ray work is tasks/train/driver.py, run where the cluster is by tasks/core/jobs.py."""
+
+from __future__ import annotations
+
+from prefect import get_run_logger, task
+
+from tasks.core import jobs
+from tasks.core.config import ModelConfig, TrainConfig
+from tasks.core.live import Tracked
+from tasks.core.retries import RETRY_TRANSIENT
+from tasks.core.storage import RunStore
+from tasks.train.contract import Result
+from tasks.train.driver import check_plan, fit
+
+# Carried by every training task run: a Prefect concurrency limit on this tag (deployments/) keeps
+# two training runs from competing for one Ray cluster.
+TRAINING_TAG = "ray-training"
+
+
+@task(tags=[TRAINING_TAG], **RETRY_TRANSIENT)
+def train(
+    tokenized: dict[str, str],
+    model: ModelConfig,
+    label_names: list[str],
+    cfg: TrainConfig,
+    store: RunStore,
+    ray_address: str | None = None,
+) -> Result:
+    """Fine-tune on the tokenized splits; the consolidated model lands in the run's model folder. Returns
+    the per-epoch history, the loss and accuracy per step, and the validation predictions."""
+    with Tracked("training-progress", "Training: % of its optimizer steps done") as progress:
+        return jobs.run(
+            fit,
+            ray_address,
+            progress,
+            tokenized=tokenized,
+            model=model,
+            label_names=label_names,
+            cfg=cfg,
+            store=store,
+        )
+
+
+@task
+def check_training_plan(
+    model: ModelConfig, label_names: list[str], cfg: TrainConfig, ray_address: str | None = None
+) -> None:
+    """Refuse a plan this cluster cannot run (workers, parallel sizes, device, precision) before the
+    run tokenizes: at training's start it came after tokenization (27 s here)."""
+    jobs.run(check_plan, ray_address, get_run_logger(), model=model, label_names=label_names, cfg=cfg)

@@ -1,0 +1,152 @@
+"""A training run that says what it is doing: workers' heartbeats (Pulse), a failure said the moment
+Ray Train sees it (FailureRelay, on Ray Train's controller), and a stall that explains itself
+(Watchdog, on the driver). All three talk over the stage's channel (tasks/core/progress.py). No Prefect:
+the first runs in the workers, the second in the controller.
+
+Why: on the first GPU run each worker failure was an INFO line in Ray's own log while the driver
+sat in `trainer.fit()` through every attempt, and the console said nothing for minutes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import ray
+from ray.train import UserCallback
+
+from tasks.core import storage
+from tasks.core.config import first_line
+from tasks.core.progress import Beat, beat, last_beat, periodically, say
+from tasks.train import stall
+
+BEAT_EVERY_S = 1.0  # how often a worker's heartbeat is posted, when it changed
+# Stall thresholds when train.stall_warning_s is not set: START_S until steps flow, then 20 times
+# the recent step time, within [FLOOR_S, START_S]: a checkpoint, an evaluation or a slow read of
+# the next Parquet block may take many steps' time without anything being wrong.
+START_S, FLOOR_S, STEPS = 300.0, 30.0, 20
+TRAINING = "training"
+
+
+def own(error: BaseException) -> BaseException:
+    """The worker's own exception inside Ray Train's wrapper (which carries it with its traceback)."""
+    return getattr(error, "_base_exc", error)
+
+
+class Pulse:
+    """A worker's heartbeats: the loop sets its phase and step (a Python assignment: nothing on the
+    step's path), and a thread of the worker posts them when they changed, every BEAT_EVERY_S, and
+    once more when the block ends, so a failure's line has the step exactly."""
+
+    def __init__(self, channel: str | None, rank: int):
+        self.channel, self.rank, self.phase, self.step, self.posted = channel, rank, "starting", 0, None
+        self.node_id, self.pid = ray.get_runtime_context().get_node_id(), os.getpid()
+
+    def __call__(self, phase: str, step: int = 0) -> None:
+        self.phase, self.step = phase, step
+
+    def post(self) -> None:
+        latest = Beat(rank=self.rank, phase=self.phase, step=self.step, node_id=self.node_id, pid=self.pid)
+        if latest != self.posted:
+            beat(self.channel, latest)
+            self.posted = latest
+
+    @contextmanager
+    def beating(self) -> Iterator[Pulse]:
+        if self.channel is None:
+            yield self
+            return
+        self.post()
+        with periodically(self.post, BEAT_EVERY_S, last=True):
+            yield self
+
+
+class FailureRelay(UserCallback):
+    """On Ray Train's controller: each worker failure as one warning line on the channel, at once,
+    naming the worker, its step, the exception and what happens next. Ray Train retries from its
+    latest checkpoint, whose step the reports it commits carry (tasks/train/worker.py `save`)."""
+
+    def __init__(self, channel: str, max_failures: int):
+        self.channel, self.attempts, self.failures, self.checkpoint_step = channel, max_failures + 1, 0, 0
+
+    def after_report(self, run_context, metrics: list[dict], checkpoint) -> None:
+        if checkpoint is not None and metrics:
+            self.checkpoint_step = int(metrics[0].get("step", self.checkpoint_step))
+
+    def after_exception(self, run_context, worker_exceptions: dict[int, Exception]) -> None:
+        self.failures += 1
+        rank, error = min(worker_exceptions.items())
+        last = last_beat(self.channel, rank)
+        where = f" at step {last.step} ({last.phase})" if last else ""
+        then = (
+            f"retrying from step {self.checkpoint_step}, attempt {self.failures + 1} of {self.attempts}"
+            if self.failures < self.attempts
+            else f"no attempt left of {self.attempts}: training fails"
+        )
+        say(
+            self.channel,
+            logging.WARNING,
+            f"training worker {rank} failed{where}: {type(own(error)).__name__}: {first_line(own(error))}; {then}",
+        )
+
+
+class Watchdog:
+    """On the driver, given the workers' latest heartbeats every second: when none has changed for the
+    threshold, writes a stall report (tasks/train/stall.py) under the run's stall/<time>/ and logs one
+    warning naming the phase and the top stack frame of the worker heard from least recently. Once
+    per stall; the run goes on (train.timeout_s still ends it)."""
+
+    def __init__(self, log: logging.Logger, stall_dir: str, stall_warning_s: float | None):
+        self.log, self.stall_dir, self.fixed_s = log, stall_dir, stall_warning_s
+        self.heard: dict[int, tuple[Beat, float]] = {}  # rank: (its latest beat, when it changed, on this clock)
+        self.since, self.step_s, self.reported = time.monotonic(), None, False
+
+    def threshold(self, phase: str | None) -> float:
+        if self.fixed_s is not None:
+            return self.fixed_s
+        if phase == TRAINING and self.step_s is not None:
+            return min(START_S, max(FLOOR_S, STEPS * self.step_s))
+        return START_S
+
+    def __call__(self, beats: dict[int, Beat]) -> None:
+        now = time.monotonic()
+        for rank, latest in beats.items():
+            before, at = self.heard.get(rank, (None, self.since))
+            if latest == before:
+                continue
+            if before and before.phase == latest.phase == TRAINING and latest.step > before.step:
+                self.step_s = (now - at) / (latest.step - before.step)
+            self.heard[rank] = latest, now
+        newest = max((at for _, at in self.heard.values()), default=self.since)
+        stalest = min(self.heard.values(), key=lambda heard: heard[1], default=(None, self.since))[0]
+        silent_s = now - newest
+        if silent_s < self.threshold(stalest.phase if stalest else None):
+            self.reported = False
+            return
+        if not self.reported:
+            self.reported = True
+            self.warn(stalest, silent_s)
+
+    def warn(self, stalest: Beat | None, silent_s: float) -> None:
+        folder = storage.join(self.stall_dir, time.strftime("%Y%m%d-%H%M%S"))
+        workers = [
+            stall.Process(what=f"rank {rank}", node_id=heard.node_id, pid=heard.pid)
+            for rank, (heard, _) in sorted(self.heard.items())
+        ]
+        stuck = next((worker for worker in workers if stalest and worker.pid == stalest.pid), None)
+        frame = stall.report(folder, workers, stuck)
+        where = (
+            f"rank {stalest.rank} is in '{stalest.phase}' at step {stalest.step}"
+            if stalest
+            else "no training worker has started"
+        )
+        self.log.warning(
+            "training has shown no progress for %.0f s: %s%s; stall report: %s (the run goes on; train.timeout_s ends it)",
+            silent_s,
+            where,
+            f", top frame {frame}" if frame else "",
+            folder,
+        )
