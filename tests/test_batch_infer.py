@@ -17,7 +17,7 @@ from conftest import BATCH_INFER, run_batch_infer, write_jsonl
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, LogFilter, LogFilterFlowRunId
 
-from tasks.core import cluster, storage
+from tasks.core import cluster, progress, storage
 from tasks.core.data import DataError, Piece, iter_frames
 from tasks.core.storage import MARKER
 from tasks.infer import driver as infer
@@ -51,7 +51,7 @@ def prefect_records(flow_run_id) -> tuple[list[str], dict[str, object]]:
 
 
 def test_every_row_of_every_file_gets_one_prediction(ray_cluster, tiny_model, corpus, tmp_path, monkeypatch):
-    monkeypatch.setattr(infer, "PROGRESS_EVERY_S", 0.5)
+    monkeypatch.setattr(progress, "REPORT_EVERY_S", 0.5)
     state = run_batch_infer(str(tiny_model), str(corpus), str(tmp_path / "predictions"), return_state=True)
     out = state.result()
     assert out.pop("seconds") > 0 and out.pop("rows_per_s") > 0 and out.pop("parts") == 3
@@ -60,8 +60,8 @@ def test_every_row_of_every_file_gets_one_prediction(ray_cluster, tiny_model, co
     messages, artifacts = prefect_records(state.state_details.flow_run_id)
     # Progress while it runs: under load the actors may still be loading when it is logged, so the
     # count may be 0 and the total not yet known; then the final tick and line.
-    progress = r"batch inference: [\d,]+( / [\d,]+)? rows, [\d,]+ rows/s \(total estimated; \d/3 parts done\)"
-    assert any(re.fullmatch(progress, m) for m in messages), messages
+    estimated = r"batch inference: [\d,]+( / [\d,]+)? rows, [\d,]+ rows/s \(total estimated; \d/3 parts done\)"
+    assert any(re.fullmatch(estimated, m) for m in messages), messages
     ticks = [m for m in messages if re.match(r"batch inference: [\d,]+( / [\d,]+)? rows, ", m)]
     assert re.fullmatch(r"batch inference: 600 / 600 rows, [\d,]+ rows/s", ticks[-1])
     assert any(m.startswith("labelled 600 rows from 3 file(s)") for m in messages)

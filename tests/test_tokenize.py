@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import shutil
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -57,8 +58,11 @@ def test_same_content_elsewhere_hits_the_cache(ray_cluster, tiny_model, small_da
         assert max(len(ids) for ids in table["input_ids"].to_pylist()) == max_length
 
 
-def test_split_of_many_files_tokenizes_exactly_its_rows(ray_cluster, tiny_model, small_data, tmp_path, monkeypatch):
+def test_split_of_many_files_tokenizes_exactly_its_rows(
+    ray_cluster, tiny_model, small_data, tmp_path, monkeypatch, caplog
+):
     monkeypatch.setattr(data, "PIECE_BYTES", 500)  # the JSONL file and the Parquet file in pieces too
+    caplog.set_level(logging.INFO, logger="ftflow")
     inputs, expected = mixed_split(tmp_path / "data", read_jsonl(small_data["train"]))
     splits = load_splits(
         DataConfig(train_uri=inputs, validation_uri=[str(small_data["validation"])], test_uri=str(small_data["test"]))
@@ -76,6 +80,10 @@ def test_split_of_many_files_tokenizes_exactly_its_rows(ray_cluster, tiny_model,
     assert len(splits["train"].pieces) > 4
     cpus = int(Resources.of_cluster().cpus)  # the CPUs ftflow's stages may take (one is Ray Data's)
     assert len(list(Path(uris["train"]).glob("*.parquet"))) == cpus, "the pieces shared out, a task per CPU"
+    # The shard tasks' tallies, summed by the driver: the last tick counts every row of every split.
+    rows, shards = sum(split.total_rows for split in splits.values()), 3 * cpus
+    ticks = [record.message for record in caplog.records if record.message.startswith("tokenize: ")]
+    assert ticks[-1] == f"tokenize: {rows:,} / {rows:,} rows, {shards}/{shards} shards", ticks
 
 
 def test_an_interrupted_attempt_is_replaced_and_complete_shards_reused(ray_cluster, tiny_model, small_data, tmp_path):

@@ -6,7 +6,8 @@ from this process or from a Ray Job's log (tasks/core/jobs.py carries ticks on t
 Ray workers post ticks, lines (say), heartbeats (beat) and running counts (tally) on a channel
 (relayed) that the stage's driver drains: Ray Train returns nothing to the driver until it ends, nor
 Ray Data until its pipeline has run. tasks/train/watch.py builds training's heartbeats, failure lines and
-stall watch on it; batch inference's actors tally the rows they labelled. This module imports no
+stall watch on it; tokenization's shard tasks and batch inference's actors tally the rows they
+wrote or labelled (tallied). This module imports no
 Prefect.
 """
 
@@ -26,6 +27,9 @@ TICK = "ftflow_tick"  # the log record attribute holding a Tick
 STAGE = "ftflow_stage"  # ("start" or "end", the stage): the record marks a flow stage's start or end
 RUN_DIR = "ftflow_run_dir"  # the run's folder, once the run has checked it is ftflow's
 DRAIN_EVERY_S = 1.0
+# How often a driver sums its workers' tallies into a tick: each is a line in the run's log, so not
+# every second of a long stage.
+REPORT_EVERY_S = 5.0
 TICKS, LINES, BEATS, TALLIES = "t/", "l/", "b/", "c/"  # a channel's four kinds of key
 
 
@@ -118,6 +122,19 @@ def relayed(log: logging.Logger, watch: Callable[[dict[int, Beat]], None] | None
     finally:
         for key in kv()._internal_kv_list(channel, namespace=NAMESPACE):  # the last beats
             kv()._internal_kv_del(key, namespace=NAMESPACE)
+
+
+@contextmanager
+def tallied(log: logging.Logger, tick_of: Callable[[list[bytes]], Tick], last: bool = False) -> Iterator[str]:
+    """A channel for Ray workers to tally their running counts on (tally); while the block runs, every
+    REPORT_EVERY_S (and once after it, if last), tick_of(every worker's latest tally) is logged on
+    `log`. How tokenization and batch inference report, as training does, on the key-value store."""
+
+    def report() -> None:  # reads `channel`, opened below before the first report
+        log_tick(log, tick_of(tallies(channel)))
+
+    with relayed(log) as channel, periodically(report, REPORT_EVERY_S, last=last):
+        yield channel
 
 
 def kv():

@@ -16,10 +16,9 @@ from ray.data import DataContext
 from tasks.core import cluster, jobs, storage
 from tasks.core.config import InferenceConfig
 from tasks.core.data import cut, expand_inputs, numbered, rows_per_byte
-from tasks.core.progress import Tick, log_tick, periodically, relayed, tallies
+from tasks.core.progress import Tick, log_tick, tallied
 from tasks.infer.worker import Counts, Labeller
 
-PROGRESS_EVERY_S = 5.0
 PARTS_PER_ACTOR = 4  # at least, so that the last part to finish is a small share of any actor's work
 PART_BYTES = 64 << 20  # the most of a file one actor call labels: what a retried call redoes
 # Fewer rows than this (estimated), and unless `actors` says otherwise, one actor takes every CPU:
@@ -175,29 +174,26 @@ def estimated_rows(sizes: dict[str, int]) -> float:
 @contextmanager
 def logging_progress(parts: list[dict], logger) -> Iterator[str]:
     """A channel (tasks/core/progress.py) for the pipeline's actors to tally their counts on, and while the
-    pipeline runs, every PROGRESS_EVERY_S: rows labelled of the total, and rows/s. The total is exact
+    pipeline runs, every REPORT_EVERY_S: rows labelled of the total, and rows/s. The total is exact
     once every part is done; before, an estimate from the bytes done so far (counting rows up front
     would read the corpus twice). Ray Data's own progress bars go to the driver's terminal, not to the
     logs a person follows in the UI."""
     started, total_bytes = time.perf_counter(), sum(part["size"] for part in parts)
 
-    def report() -> None:  # reads `channel`, opened below before the first report
-        counts = [Counts.model_validate_json(value) for value in tallies(channel)]
+    def tick_of(tallies: list[bytes]) -> Tick:
+        counts = [Counts.model_validate_json(value) for value in tallies]
         parts_done, bytes_done, rows_done, labelled = (sum(getattr(c, n) for c in counts) for n in Counts.model_fields)
         rate = labelled / (time.perf_counter() - started)
         total = rows_done if parts_done == len(parts) else rows_done * total_bytes / bytes_done if bytes_done else None
         estimated = "" if parts_done == len(parts) else f" (total estimated; {parts_done}/{len(parts)} parts done)"
-        log_tick(
-            logger,
-            Tick(
-                stage="batch inference",
-                done=labelled,
-                total=total,
-                unit="rows",
-                metrics={"rows_per_s": rate},
-                text=f"{rate:,.0f} rows/s{estimated}",
-            ),
+        return Tick(
+            stage="batch inference",
+            done=labelled,
+            total=total,
+            unit="rows",
+            metrics={"rows_per_s": rate},
+            text=f"{rate:,.0f} rows/s{estimated}",
         )
 
-    with relayed(logger) as channel, periodically(report, PROGRESS_EVERY_S):
+    with tallied(logger, tick_of) as channel:
         yield channel

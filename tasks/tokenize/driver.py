@@ -17,9 +17,9 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from tasks.core import cluster, jobs, storage
 from tasks.core.config import hub_free
 from tasks.core.data import Split
-from tasks.core.progress import Tick, log_tick
+from tasks.core.progress import Tick, tallied
 from tasks.core.text import truncating
-from tasks.tokenize.worker import SPLITS, shards, write_shard
+from tasks.tokenize.worker import SPLITS, Written, shards, write_shard
 from tasks.validate.checks import training_model
 
 # One Ray task per shard; the function lives in tasks/tokenize/worker.py, so the workers import no Prefect.
@@ -95,38 +95,48 @@ def _tokenize_splits(
     on a 2-CPU machine eight at once ran 4x slower, starting Ray workers that add no speed. READ_CPUS
     each still, so the tasks never wait on CPUs that model workers hold. Plain tasks rather than a
     Ray Data pipeline: Ray Data's executor and its first-run actors cost 1.4 s of a 5.5 s run at
-    100k rows, and this work has no stream to manage (each task returns one count). Returns the
-    rows written per split."""
+    100k rows, and this work has no stream to manage (each task returns one count). The tasks tally
+    their rows as they go (tasks/core/progress.py). Returns the rows written per split."""
     for target in targets.values():
         fs, path = storage.filesystem(target)
         fs.makedirs(path, exist_ok=True)
     cpus = max(1, int(cluster.Resources.of_cluster().cpus))
     schema, tokenizer = ray.put(splits["train"].schema), ray.put(tokenizer)
     running, written, planned = {}, dict.fromkeys(SPLITS, 0), shards(splits, cpus)
-    try:
-        for started, shard in enumerate(planned):
-            if len(running) == cpus:
-                collect(running, written, started - len(running) + 1, len(planned))
-            running[write.remote(shard, schema, tokenizer, targets[shard.split], job)] = shard.split
-        while running:
-            collect(running, written, len(planned) - len(running) + 1, len(planned))
-    except BaseException:
-        # A shard failed (or the run was stopped): the others must not write on into the folder a
-        # retry is about to claim, where a file finished afterwards would join the next set's rows.
-        for task in running:
-            ray.cancel(task, force=True)
-        raise
+    total = sum(split.total_rows for split in splits.values())
+
+    def tick_of(tallies: list[bytes]) -> Tick:
+        counts = [Written.model_validate_json(value) for value in tallies]
+        done = sum(count.done for count in counts)
+        return Tick(
+            stage="tokenize",
+            done=sum(count.rows for count in counts),
+            total=total,
+            unit="rows",
+            text=f"{done}/{len(planned)} shards",
+        )
+
+    with tallied(jobs.log, tick_of, last=True) as channel:
+        try:
+            for shard in planned:
+                if len(running) == cpus:
+                    collect(running, written)
+                running[write.remote(shard, schema, tokenizer, targets[shard.split], job, channel)] = shard.split
+            while running:
+                collect(running, written)
+        except BaseException:
+            # A shard failed (or the run was stopped): the others must not write on into the folder a
+            # retry is about to claim, where a file finished afterwards would join the next set's rows.
+            for task in running:
+                ray.cancel(task, force=True)
+            raise
     return written
 
 
-def collect(running: dict, written: dict[str, int], finished: int, planned: int) -> None:
-    """Wait for one of the running shards; add its rows to its split's; tell that `finished` of `planned` are done."""
+def collect(running: dict, written: dict[str, int]) -> None:
+    """Wait for one of the running shards; add its rows to its split's."""
     [done], _ = ray.wait(list(running), num_returns=1)
     written[running.pop(done)] += ray.get(done)
-    log_tick(
-        jobs.log,
-        Tick(stage="tokenize", done=finished, total=planned, unit="shards", text=f"{sum(written.values()):,} rows"),
-    )
 
 
 def tokenized_shards(key: TokenizeKey, splits: dict[str, Split], model_name_or_path: str) -> dict[str, str]:

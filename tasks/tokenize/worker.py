@@ -12,13 +12,21 @@ from itertools import accumulate
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+from pydantic import BaseModel
 from tokenizers import Tokenizer
 
-from tasks.core import storage
+from tasks.core import progress, storage
 from tasks.core.data import SPLITS, Piece, Schema, Split, labelled_frames
 
 SHARD_BYTES = 256 << 20  # the most input one task tokenizes into one Parquet file
 SHARD_SCHEMA = pa.schema({"row": pa.int64(), "label": pa.int64(), "input_ids": pa.list_(pa.int32())})
+
+
+class Written(BaseModel):
+    """A shard task's running count, tallied on the stage's progress channel after every chunk."""
+
+    rows: int = 0
+    done: bool = False
 
 
 @dataclass(frozen=True)
@@ -49,13 +57,13 @@ def shards(splits: dict[str, Split], cpus: int) -> list[Shard]:
     return found
 
 
-def write_shard(shard: Shard, schema: Schema, tokenizer: Tokenizer, target: str, job: str) -> int:
+def write_shard(shard: Shard, schema: Schema, tokenizer: Tokenizer, target: str, job: str, channel: str) -> int:
     """One shard's rows, checked and tokenized a chunk (CHUNK_ROWS) at a time, streamed into one
     Parquet file of (row, label, input_ids) under target, a row group per chunk; returns the rows
-    written. Named by the job (the output folder's record of its files) and the shard's number, a
-    retried task overwrites its own file."""
+    written, and tallies them on the channel as it goes. Named by the job (the output folder's record
+    of its files) and the shard's number, a retried task overwrites its own file (and its tally)."""
     path, filesystem = storage.pyarrow_filesystem(target)
-    rows = 0
+    rows, me = 0, f"{shard.split}-{shard.index:05d}"
     with pq.ParquetWriter(f"{path}/{job}_{shard.index:05d}.parquet", SHARD_SCHEMA, filesystem=filesystem) as out:
         for piece in shard.pieces:
             for frame in labelled_frames(piece.uri, schema, piece=piece):
@@ -65,4 +73,6 @@ def write_shard(shard: Shard, schema: Schema, tokenizer: Tokenizer, target: str,
                     pa.table({"row": row, "label": frame["label"].to_numpy(), "input_ids": ids}, schema=SHARD_SCHEMA)
                 )
                 rows += len(frame)
+                progress.tally(channel, me, Written(rows=rows))
+    progress.tally(channel, me, Written(rows=rows, done=True))
     return rows
