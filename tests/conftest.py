@@ -147,6 +147,29 @@ def prefect_server():
         yield
 
 
+@pytest.fixture(scope="session")
+def local_run(ray_cluster, tiny_model, small_data, tmp_path_factory):
+    """One finetune run on local storage: its parameters, its Prefect state, and what the Prefect API
+    showed while it trained. tests/test_flow.py checks it; tests/test_registry.py has it as the
+    champion a second run loses to (a run costs ~75 s here: run once)."""
+    import threading
+
+    from test_flow import params, watch_training
+
+    from flows.finetune import finetune
+
+    run_params = params(tiny_model, small_data, str(tmp_path_factory.mktemp("local-run") / "store"))
+    seen, stop = [], threading.Event()
+    watcher = threading.Thread(target=watch_training, args=(seen, stop))
+    watcher.start()
+    try:
+        state = finetune(run_params, return_state=True)
+    finally:
+        stop.set()
+        watcher.join()
+    return run_params, state, seen
+
+
 # A `python -c` script: the batch_infer flow on a model, its input and output given as arguments
 # (the script closes its call: f"{BATCH_INFER}, device='gpu'))" adds a setting).
 BATCH_INFER = (

@@ -83,46 +83,6 @@ def stored_text(root: Path) -> str:
     return "".join(path.read_text(errors="replace") for path in root.rglob("*") if path.is_file())
 
 
-def test_finetune_joins_a_ray_cluster_that_requires_a_token(tiny_model, small_data, tmp_path):
-    port, token = free_port(), secrets.token_hex(32)
-    secured = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}
-    head = start_ray_head(port, secured)
-    try:
-        stranger = subprocess.run(
-            [sys.executable, "-c", f"from tasks.core import cluster; cluster.connect('127.0.0.1:{port}')"],
-            cwd=ROOT,
-            env=without_secrets(os.environ, tmp_path / "home"),
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert stranger.returncode != 0
-        assert f"the Ray cluster at 127.0.0.1:{port} refused this driver's token" in stranger.stderr.splitlines()[-1]
-
-        config = tmp_path / "params.json"
-        config.write_text(params(tiny_model, small_data, str(tmp_path / "store")).model_dump_json())
-        run = subprocess.run(
-            [FTFLOW, "run", "--verbose", "--params", str(config)],
-            cwd=ROOT,
-            env={**secured, "RAY_ADDRESS": f"127.0.0.1:{port}"},
-            capture_output=True,
-            text=True,
-            timeout=900,
-        )
-        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    finally:
-        os.killpg(head.pid, signal.SIGTERM)
-        head.wait(timeout=60)
-
-    run_dir = re.search(r"artifacts: +(\S+)", run.stdout)[1]
-    accuracy = storage.read_json(storage.join(run_dir, "metrics.json"))["accuracy"]
-    assert f"test accuracy: {accuracy:.4f}" in run.stdout
-    manifest = check_run(run_dir, {"test_accuracy": accuracy}, small_data)
-    # The head reports the machine's address; its port says which cluster the run used.
-    assert manifest["cluster"]["gcs_address"].endswith(f":{port}"), "the run used the cluster it was pointed at"
-    assert token not in run.stdout + run.stderr + stored_text(tmp_path / "store")
-
-
 def job_api_ready(url: str, token: str) -> None:
     """The Job API answers (the dashboard starts seconds after the head), and only with the token."""
     for _ in range(240):
@@ -374,12 +334,13 @@ def alive_nodes(env: dict[str, str]) -> int:
     return int(re.search(r"^alive: (\d+)$", count.stdout, re.M)[1])
 
 
-def test_finetune_on_a_cluster_that_grows_and_shrinks(tiny_model, s3_data, tmp_path):
-    """An autoscaling cluster at rest, a head alone that takes no work: the finetune flow asks for two
-    training workers of 2 CPUs and two inference actors; the autoscaler adds 3-CPU nodes (separate
-    raylets), training workers land on different nodes, every artifact in S3 is complete, and the
-    nodes go once idle. A local storage root is refused up front; a request no node type can satisfy
-    (a GPU) fails within the configured wait, saying so, in training and in batch inference."""
+def test_finetune_on_a_token_secured_cluster_that_grows_and_shrinks(tiny_model, s3_data, tmp_path):
+    """An autoscaling cluster at rest, a head alone that takes no work, that requires a token: a driver
+    without it is refused, saying so; the finetune flow, given it, asks for two training workers of 2
+    CPUs and two inference actors; the autoscaler adds 3-CPU nodes (separate raylets), training workers
+    land on different nodes, every artifact in S3 is complete and free of the token, and the nodes go
+    once idle. A local storage root is refused up front; a request no node type can satisfy (a GPU)
+    fails within the configured wait, saying so, in training and in batch inference."""
     port, token = free_port(), secrets.token_hex(32)
     secured = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}
     head = start_ray_head(
@@ -408,6 +369,16 @@ def test_finetune_on_a_cluster_that_grows_and_shrinks(tiny_model, s3_data, tmp_p
         )
 
     try:
+        stranger = subprocess.run(
+            [sys.executable, "-c", f"from tasks.core import cluster; cluster.connect('127.0.0.1:{port}')"],
+            cwd=ROOT,
+            env=without_secrets(os.environ, tmp_path / "home"),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert stranger.returncode != 0
+        assert f"the Ray cluster at 127.0.0.1:{port} refused this driver's token" in stranger.stderr.splitlines()[-1]
         time.sleep(3)  # the autoscaler's first report, by which a driver knows it is there
         refused = finetune(str(tmp_path / "local-store"))
         assert refused.returncode != 0 and not (tmp_path / "local-store").exists()
@@ -454,7 +425,13 @@ def test_finetune_on_a_cluster_that_grows_and_shrinks(tiny_model, s3_data, tmp_p
         os.killpg(head.pid, signal.SIGTERM)
         head.wait(timeout=60)
     run_dir = re.search(r"artifacts: +(\S+)", run.stdout)[1]
-    manifest = check_run(
-        run_dir, {"test_accuracy": storage.read_json(storage.join(run_dir, "metrics.json"))["accuracy"]}, s3_data
-    )
+    accuracy = storage.read_json(storage.join(run_dir, "metrics.json"))["accuracy"]
+    assert f"test accuracy: {accuracy:.4f}" in run.stdout
+    manifest = check_run(run_dir, {"test_accuracy": accuracy}, s3_data)
     assert len(set(manifest["metrics"]["training"]["nodes"])) == 2, "one worker per added node: 2 CPUs each, 3 per node"
+    # The head reports the machine's address; its port says which cluster the run used.
+    assert manifest["cluster"]["gcs_address"].endswith(f":{port}"), "the run used the cluster it was pointed at"
+    fs, stored = storage.filesystem(f"s3://{BUCKET}/grows")
+    assert token not in run.stdout + run.stderr and all(
+        token.encode() not in fs.cat_file(key) for key in fs.find(stored)
+    )

@@ -149,20 +149,12 @@ def watch_training(seen: list[tuple[list[str], list[float]]], stop: threading.Ev
                     )
 
 
-def test_finetune_on_local_storage(ray_cluster, tiny_model, small_data, tmp_path):
-    """Its artifacts; and while it trains, its step lines and a training progress artifact in the Prefect API."""
-    run_params = params(tiny_model, small_data, str(tmp_path / "store"))
-    seen, stop = [], threading.Event()
-    watcher = threading.Thread(target=watch_training, args=(seen, stop))
-    watcher.start()
-    try:
-        state = finetune(run_params, return_state=True)
-    finally:
-        stop.set()
-        watcher.join()
+def test_finetune_on_local_storage(local_run, small_data):
+    """Its artifacts; and while it trained, its step lines and a training progress artifact in the Prefect API."""
+    run_params, state, seen = local_run
     summary = state.result()
     assert any(lines and 0 < percent < 100 for lines, [percent] in seen), f"nothing live while training ran: {seen}"
-    assert Path(summary["run_dir"]).parent == tmp_path / "store" / "runs"
+    assert Path(summary["run_dir"]).parent == Path(run_params.storage_root) / "runs"
     check_run(summary["run_dir"], summary, small_data)
     artifacts = run_artifacts(state.state_details.flow_run_id)
     assert {"test-metrics", "confusion-matrix", "promotion", "run-metrics"} <= set(artifacts)

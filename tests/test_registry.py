@@ -19,7 +19,6 @@ from mlflow import MlflowClient
 from prefect import flow
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, FlowRunFilter, FlowRunFilterId
-from test_flow import params
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from flows.finetune import finetune
@@ -34,19 +33,16 @@ from tasks.report.task import summary as report_summary
 from tasks.report.tracking import track
 
 
-def test_a_model_that_loses_leaves_the_champion_untouched(ray_cluster, tiny_model, small_data, tmp_path):
-    root = str(tmp_path / "store")
-    first = finetune(
-        params(tiny_model, small_data, root).model_copy(update={"promotion": PromotionConfig(model_name="rt")})
-    )
-    pointer = storage.StorageRoot(root).champion("rt")
+def test_a_model_that_loses_leaves_the_champion_untouched(local_run, tmp_path):
+    """The second run in a storage root: the first (conftest's local_run) is the champion of `sentiment`."""
+    first_params, first_state, _ = local_run
+    first, root = first_state.result(), first_params.storage_root
+    pointer = storage.StorageRoot(root).champion("sentiment")
     assert first["promoted"] and storage.read_json(pointer)["model_uri"] == f"{first['run_dir']}/model"
     before = storage.filesystem(pointer)[0].cat_file(pointer)
 
     # The same training again cannot beat the champion by a margin of 0.5: it must lose.
-    losing = params(tiny_model, small_data, root).model_copy(
-        update={"promotion": PromotionConfig(model_name="rt", margin=0.5)}
-    )
+    losing = first_params.model_copy(update={"promotion": PromotionConfig(margin=0.5)})
     second = finetune(losing)
     assert not second["promoted"]
     assert storage.filesystem(pointer)[0].cat_file(pointer) == before, "the champion pointer changed"
@@ -55,12 +51,14 @@ def test_a_model_that_loses_leaves_the_champion_untouched(ray_cluster, tiny_mode
         "the champion is scored on the same test split"
     )
     assert "< the champion's" in decision["reason"] and decision["previous_champion_uri"] == f"{first['run_dir']}/model"
-    report = (tmp_path / "store" / "runs" / second["run_id"] / "report" / "report.md").read_text()
-    assert f"Promotion: **not promoted: `rt`'s champion is unchanged** ({decision['reason']})" in report
+    report = (Path(root) / "runs" / second["run_id"] / "report" / "report.md").read_text()
+    assert f"Promotion: **not promoted: `sentiment`'s champion is unchanged** ({decision['reason']})" in report
 
     # Both runs side by side in MLflow (the default store under the storage root), as a person compares them.
     client = MlflowClient(f"sqlite:///{root}/mlflow.db")
-    runs = {run.info.run_name: run for run in client.search_runs([client.get_experiment_by_name("rt").experiment_id])}
+    runs = {
+        run.info.run_name: run for run in client.search_runs([client.get_experiment_by_name("sentiment").experiment_id])
+    }
     assert set(runs) == {first["run_id"], second["run_id"]}
     for summary, promoted in ((first, "true"), (second, "false")):
         run = runs[summary["run_id"]]
@@ -78,7 +76,9 @@ def test_a_model_that_loses_leaves_the_champion_untouched(ray_cluster, tiny_mode
         }
     assert runs[second["run_id"]].data.tags["ftflow.promotion"] == decision["reason"]
 
-    out = run_batch_infer("models/rt@champion", str(small_data["test"]), str(tmp_path / "labelled"), storage_root=root)
+    out = run_batch_infer(
+        "models/sentiment@champion", first_params.data.test_uri, str(tmp_path / "labelled"), storage_root=root
+    )
     assert out["rows"] == 128 and len(pq.read_table(tmp_path / "labelled")) == 128
     assert storage.read_json(str(tmp_path / "labelled" / MARKER))["model"]["uri"] == f"{first['run_dir']}/model"
 
