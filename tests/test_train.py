@@ -350,7 +350,7 @@ import ray
 from ray.cluster_utils import Cluster
 from tasks.core.config import ModelConfig, TrainConfig
 from tasks.core.storage import RunStore
-from tasks.train import fit
+from tasks.train.driver import fit
 tokenized, model, root = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3]
 cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
 sizes = {cluster.add_node(num_cpus=cpus).node_id: cpus for cpus in (3, 2)}
