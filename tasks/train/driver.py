@@ -161,24 +161,22 @@ def resolved(
     per_cpu = strategy.memory_per_cpu(use_gpu) if cfg.memory_per_worker_gb is None else None
     gpu = strategy.gpu_memory() if use_gpu and cfg.memory_per_worker_gb is None else None
     options = []
-    for settings in strategy.candidates(use_gpu):
-        candidate = cfg.model_copy(update={**settings, "strategy": "manual", "memory_per_worker_gb": None})
+    for candidate in strategy.candidates(cfg, use_gpu):
         try:
             check_parallelism(candidate, model)
             the_plan = plan(candidate, resources)
         except ValueError:  # a split this model, or this cluster, cannot take
             continue
-        if the_plan.cpus_per_worker * settings.get("tensor_parallel_size", 1) > resources.node_cpus:
+        if the_plan.cpus_per_worker * candidate.tensor_parallel_size > resources.node_cpus:
             continue  # a group no node holds
         budget = (
             int(cfg.memory_per_worker_gb * strategy.GIB)
             if cfg.memory_per_worker_gb
             else gpu or int(per_cpu * the_plan.cpus_per_worker)
         )
-        need = strategy.need_bytes(size, settings, the_plan.workers, the_plan.micro_batch, model.max_length, use_gpu)
-        options.append((settings, need, budget))
-    choice = strategy.pick(options)
-    return cfg.model_copy(update={**choice.settings, "strategy": "manual", "memory_per_worker_gb": None}), choice
+        need = strategy.need_bytes(size, candidate, the_plan.workers, the_plan.micro_batch, model.max_length, use_gpu)
+        options.append((candidate, need, budget))
+    return strategy.pick(options)
 
 
 def merge(base: dict, override: dict) -> dict:

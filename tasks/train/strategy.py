@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pydantic import BaseModel
 from transformers import AutoConfig, AutoModelForSequenceClassification
 
-from tasks.core.config import hub_free
+from tasks.core.config import AUTO_CHOOSES, TrainConfig, hub_free
 
 GIB = 2**30
 # What a CPU worker holds before its model: Python, torch, transformers, DeepSpeed and Ray's worker
@@ -37,7 +37,7 @@ OFFLOAD = [
 class Choice(BaseModel):
     """What strategy=auto chose and why, as the run's log and manifest record it."""
 
-    settings: dict  # the TrainConfig fields it set
+    settings: dict  # the TrainConfig fields it set (chosen)
     need_gb: float  # the estimated need per worker of the chosen strategy
     budget_gb: float  # the memory per worker it had
     reason: str
@@ -73,7 +73,7 @@ class ModelSize:
         )
 
 
-def model_state_bytes(size: ModelSize, settings: dict, workers: int) -> int:
+def model_state_bytes(size: ModelSize, cfg: TrainConfig, workers: int) -> int:
     """Parameters, gradients and optimizer state one worker holds on its device: DeepSpeed's
     estimators for ZeRO-2 and 3, and the same terms for ZeRO-0 and 1 (2 bytes per 16-bit parameter
     and gradient, 16 for the fp32 master weights and Adam moments, which ZeRO-1 shards). For fp32
@@ -85,13 +85,13 @@ def model_state_bytes(size: ModelSize, settings: dict, workers: int) -> int:
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
-    tp, pp = settings.get("tensor_parallel_size", 1), settings.get("pipeline_parallel_size", 1)
+    tp, pp = cfg.tensor_parallel_size, cfg.pipeline_parallel_size
     params = (size.params - size.layer_params + size.layer_params // tp) // pp
     replicas = max(1, workers // (tp * pp))
-    stage, offload = settings.get("zero_stage", 0), settings.get("offload_optimizer", False)
+    stage, offload = cfg.zero_stage, cfg.offload_optimizer
     if stage == 3:
         return estimate_zero3_model_states_mem_needs(
-            params, size.largest_layer // tp, replicas, 1, offload, settings.get("offload_params", False)
+            params, size.largest_layer // tp, replicas, 1, offload, cfg.offload_params
         )[1]
     if stage == 2:
         return estimate_zero2_model_states_mem_needs(params, replicas, 1, offload)[1]
@@ -107,8 +107,9 @@ def activation_bytes(size: ModelSize, micro_batch: int, seq: int, tp: int, pp: i
     return int(2 * (size.layers // pp) * pp * s * b * h * (10 + 24 / tp + 5 * a * s / (h * tp)))
 
 
-def candidates(use_gpu: bool) -> list[dict]:
-    """Fastest first (see above); pipelines with ZeRO-1 at most, all DeepSpeed's pipeline engine takes."""
+def candidates(cfg: TrainConfig, use_gpu: bool) -> list[TrainConfig]:
+    """cfg as each strategy would train it (strategy=manual), fastest first (see above); pipelines with
+    ZeRO-1 at most, all DeepSpeed's pipeline engine takes."""
     last = OFFLOAD[-1] if use_gpu else ZERO[-1]
     measured = [
         ZERO[0],
@@ -117,45 +118,59 @@ def candidates(use_gpu: bool) -> list[dict]:
         *ZERO[1:],
         *(OFFLOAD if use_gpu else []),
     ]
-    return [
+    settings = [
         *measured,
         *({**last, "tensor_parallel_size": size} for size in SPLITS),
         *({**ZERO[1], "pipeline_parallel_size": size} for size in SPLITS),
     ]
+    return [
+        cfg.model_copy(update={**chosen, "strategy": "manual", "memory_per_worker_gb": None}) for chosen in settings
+    ]
 
 
-def pick(options: list[tuple[dict, int, int]]) -> Choice:
-    """The first of (settings, bytes needed per worker, bytes each has), fastest first, that fits;
-    else a refusal that names the least need."""
-    for index, (settings, need, budget) in enumerate(options):
+def pick(options: list[tuple[TrainConfig, int, int]]) -> tuple[TrainConfig, Choice]:
+    """The first of (candidate, bytes needed per worker, bytes each has), fastest first, that fits, and
+    why; else a refusal that names the least need."""
+    for index, (candidate, need, budget) in enumerate(options):
         if need <= budget:
-            faster = ", ".join(f"{describe(s)} ~{n / GIB:.2f}" for s, n, _ in options[:index])
+            faster = ", ".join(f"{describe(c)} ~{n / GIB:.2f}" for c, n, _ in options[:index])
             reason = (
-                f"{describe(settings)} needs ~{need / GIB:.2f} GiB per worker of the {budget / GIB:.2f} GiB each has"
+                f"{describe(candidate)} needs ~{need / GIB:.2f} GiB per worker of the {budget / GIB:.2f} GiB each has"
                 + (f"; the faster need more ({faster})" if faster else ", and it is the fastest")
             )
-            return Choice(
-                settings=settings, need_gb=round(need / GIB, 3), budget_gb=round(budget / GIB, 3), reason=reason
+            return candidate, Choice(
+                settings=chosen(candidate),
+                need_gb=round(need / GIB, 3),
+                budget_gb=round(budget / GIB, 3),
+                reason=reason,
             )
-    settings, need, budget = min(options, key=lambda option: option[1] - option[2])
+    candidate, need, budget = min(options, key=lambda option: option[1] - option[2])
     raise ValueError(
-        f"train.strategy=auto: no strategy fits a worker; the closest, {describe(settings)}, needs ~{need / GIB:.2f} GiB "
+        f"train.strategy=auto: no strategy fits a worker; the closest, {describe(candidate)}, needs ~{need / GIB:.2f} GiB "
         f"per worker of the {budget / GIB:.2f} GiB each has: give workers more memory (train.memory_per_worker_gb, "
         "larger nodes), or shorten model.max_length or train.micro_batch_size"
     )
 
 
-def describe(settings: dict) -> str:
-    split = settings.get("tensor_parallel_size", 1) * settings.get("pipeline_parallel_size", 1) > 1
-    words = [f"ZeRO-{settings['zero_stage']}" if settings["zero_stage"] or split else "data parallel (ZeRO-0)"]
-    if settings.get("offload_params"):
+def chosen(cfg: TrainConfig) -> dict:
+    """The fields strategy=auto sets that differ from their defaults, and the ZeRO stage always."""
+    defaults = TrainConfig.model_fields
+    return {"zero_stage": cfg.zero_stage} | {
+        name: getattr(cfg, name) for name in AUTO_CHOOSES if getattr(cfg, name) != defaults[name].default
+    }
+
+
+def describe(cfg: TrainConfig) -> str:
+    split = cfg.tensor_parallel_size * cfg.pipeline_parallel_size > 1
+    words = [f"ZeRO-{cfg.zero_stage}" if cfg.zero_stage or split else "data parallel (ZeRO-0)"]
+    if cfg.offload_params:
         words.append("parameter and optimizer offload")
-    elif settings.get("offload_optimizer"):
+    elif cfg.offload_optimizer:
         words.append("optimizer offload")
-    if settings.get("tensor_parallel_size", 1) > 1:
-        words.append(f"tensor parallel x{settings['tensor_parallel_size']}")
-    if settings.get("pipeline_parallel_size", 1) > 1:
-        words.append(f"{settings['pipeline_parallel_size']} pipeline stages")
+    if cfg.tensor_parallel_size > 1:
+        words.append(f"tensor parallel x{cfg.tensor_parallel_size}")
+    if cfg.pipeline_parallel_size > 1:
+        words.append(f"{cfg.pipeline_parallel_size} pipeline stages")
     return " + ".join(words)
 
 
@@ -186,13 +201,9 @@ def gpu_memory() -> int:
     return ray.get(ray.remote(num_gpus=1, num_cpus=0)(total).remote())
 
 
-def need_bytes(size: ModelSize, settings: dict, workers: int, micro_batch: int, seq: int, use_gpu: bool) -> int:
-    """What one worker needs under `settings`, planned as `workers` of `micro_batch` rows of `seq` tokens."""
-    tp, pp = settings.get("tensor_parallel_size", 1), settings.get("pipeline_parallel_size", 1)
+def need_bytes(size: ModelSize, cfg: TrainConfig, workers: int, micro_batch: int, seq: int, use_gpu: bool) -> int:
+    """What one worker needs training as cfg says, planned as `workers` of `micro_batch` rows of `seq` tokens."""
+    tp, pp = cfg.tensor_parallel_size, cfg.pipeline_parallel_size
     process = 0 if use_gpu else CPU_PROCESS_BYTES
     # a replica's micro-batch is its ranks' together (tasks/train/worker.py Replica)
-    return (
-        model_state_bytes(size, settings, workers)
-        + activation_bytes(size, micro_batch * tp * pp, seq, tp, pp)
-        + process
-    )
+    return model_state_bytes(size, cfg, workers) + activation_bytes(size, micro_batch * tp * pp, seq, tp, pp) + process
