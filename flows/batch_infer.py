@@ -24,4 +24,4 @@ def batch_infer(params: BatchInferParams) -> dict:
             model_uri, cfg, params.output_uri, params.ray_address
         )
     publish_inference_report(params.model_uri, model_uri, flow_run.parameters["params"], result)
-    return result
+    return result.model_dump()

@@ -13,7 +13,7 @@ from tasks.core.storage import RunStore, refuse_overlap
 from tasks.evaluate.task import evaluate
 from tasks.infer.task import predict_files
 from tasks.promote.task import promote
-from tasks.report.manifest import write_manifest
+from tasks.report.manifest import Outputs, Results, write_manifest
 from tasks.report.task import Stopwatch, publish_report
 from tasks.report.tracking import track
 from tasks.tokenize.driver import load_tokenizer, tokenize_key
@@ -63,15 +63,7 @@ def finetune(params: FinetuneParams = FinetuneParams()) -> dict:
     with took("evaluate"):
         metrics = evaluate(store, inputs.splits["test"], inputs.inference, params.ray_address)
     with took("promote"):
-        promotion = promote(
-            store.model_dir,
-            metrics,
-            inputs.splits["test"],
-            params.promotion,
-            params.storage_root,
-            store.run_id,
-            params.ray_address,
-        )
+        promotion = promote(store, metrics, inputs.splits["test"], params.promotion, params.ray_address)
     with took("batch inference"):
         predictions = predict_files.with_options(timeout_seconds=inputs.inference.timeout_s)(
             store.model_dir, inputs.inference, store.predictions, params.ray_address
@@ -79,25 +71,20 @@ def finetune(params: FinetuneParams = FinetuneParams()) -> dict:
 
     took.fixed_costs(training.first_step_at)
     config = params.model_dump(mode="json")
-    outputs = {
-        "tokenized": tokenized,
-        "checkpoints": store.train_dir,
-        "model": store.model_dir,
-        "metrics": store.metrics,
-        "predictions": predictions,
-        "report": store.report,
-        "manifest": store.manifest,
-    }
-    results = {
-        "test": metrics,
-        "training": training.model_dump(include={"history", "curve", "nodes", "strategy"}),
-        "promotion": promotion,
-    }
+    outputs = Outputs(
+        tokenized=tokenized,
+        checkpoints=store.train_dir,
+        model=store.model_dir,
+        metrics=store.metrics,
+        predictions=predictions,
+        report=store.report,
+        manifest=store.manifest,
+    )
+    results = Results(test=metrics, training=training, promotion=promotion)
     publish_report(store, config, inputs.splits, outputs, results, took.seconds)
     write_manifest(
         store.manifest,
         config=config,
-        cluster=training.cluster,
         data={
             "splits": {
                 n: {"uris": list(s.uris), "sha256": s.sha256, "rows": s.total_rows} for n, s in inputs.splits.items()
@@ -105,7 +92,7 @@ def finetune(params: FinetuneParams = FinetuneParams()) -> dict:
             "tokenize_key": key.model_dump(),
         },
         outputs=outputs,
-        metrics=results,
+        results=results,
         seconds=took.seconds,
     )
     track(params, store, results, took.seconds)  # to MLflow; a warning, never a failure, when it cannot
@@ -113,7 +100,7 @@ def finetune(params: FinetuneParams = FinetuneParams()) -> dict:
         "run_id": store.run_id,
         "run_dir": store.base,
         "report": store.report_md,
-        "test_accuracy": metrics["accuracy"],
-        "metrics": metrics,
-        "promoted": promotion["promoted"],
+        "test_accuracy": metrics.accuracy,
+        "metrics": metrics.model_dump(),
+        "promoted": promotion.promoted,
     }

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import shutil
 import threading
 import time
 import uuid
@@ -26,11 +27,13 @@ from tasks.core import storage
 from tasks.core.config import DataConfig, FinetuneParams, PromotionConfig
 from tasks.core.data import load_splits
 from tasks.core.storage import MARKER, RunStore
-from tasks.evaluate.driver import score
+from tasks.evaluate.driver import Metrics, score
 from tasks.promote.registry import resolve
-from tasks.promote.task import promote
+from tasks.promote.task import Decision, promote
+from tasks.report.manifest import Results
 from tasks.report.task import summary as report_summary
 from tasks.report.tracking import track
+from tasks.train.contract import Curve, EpochRecord, Result
 
 
 def test_a_model_that_loses_leaves_the_champion_untouched(local_run, tmp_path):
@@ -96,14 +99,16 @@ def test_the_champion_is_scored_again_only_on_a_test_split_other_than_its_own(
             test_uri=str(small_data["test"]),
         )
     )
-    promote(str(tiny_model), {"accuracy": 0.123}, splits["test"], cfg, root, "first")  # a score it never had: recorded
-    assert promote("challenger", {"accuracy": 0.1}, splits["test"], cfg, root, "same")["champion"] == 0.123
-    rescored = promote("challenger", {"accuracy": 0.1}, splits["validation"], cfg, root, "other")["champion"]
+    first = RunStore(root, "first")
+    shutil.copytree(tiny_model, first.model_dir)  # a model to score again
+    promote(first, scored(0.123), splits["test"], cfg)  # a score it never had: recorded
+    assert promote(RunStore(root, "same"), scored(0.1), splits["test"], cfg).champion == 0.123
+    rescored = promote(RunStore(root, "other"), scored(0.1), splits["validation"], cfg).champion
     assert rescored != 0.123 and 0 <= rescored <= 1
     relabelled = dataclasses.replace(
         splits["test"], schema=dataclasses.replace(splits["test"].schema, label_names=("pos", "neg"))
     )
-    assert promote("challenger", {"accuracy": 0.1}, relabelled, cfg, root, "relabelled")["champion"] != 0.123
+    assert promote(RunStore(root, "relabelled"), scored(0.1), relabelled, cfg).champion != 0.123
 
 
 def test_a_model_that_predicts_one_class_is_not_promoted_even_to_an_empty_entry(ray_cluster, tiny_model, tmp_path):
@@ -112,25 +117,31 @@ def test_a_model_that_predicts_one_class_is_not_promoted_even_to_an_empty_entry(
     model = one_class_model(tiny_model, tmp_path / "one-class")
     test = load_splits(DataConfig())["test"]  # the shipped split: 533 of each class
     metrics = score(str(model), test, batch_size=64)
-    assert (metrics["accuracy"], round(metrics["macro_f1"], 4)) == (0.5, 0.3333)
+    assert (metrics.accuracy, round(metrics.macro_f1, 4)) == (0.5, 0.3333)
     root = str(tmp_path / "store")
 
     @flow
-    def gate(cfg: PromotionConfig) -> dict:
-        return promote(str(model), metrics, test, cfg, root, "one-class")
+    def gate(cfg: PromotionConfig) -> Decision:
+        return promote(RunStore(root, "one-class"), metrics, test, cfg)
 
     state = gate(PromotionConfig(model_name="rt"), return_state=True)
     decision = state.result()
     floor = "accuracy > 0.5000, the score of always predicting the test split's majority class 'negative' (promotion.min_score unset)"
-    assert not decision["promoted"] and not storage.exists(storage.StorageRoot(root).champion("rt"))
-    assert decision["reason"] == f"accuracy 0.5000 is not above the floor: {floor}" and decision["floor"] == floor
+    assert not decision.promoted and not storage.exists(storage.StorageRoot(root).champion("rt"))
+    assert decision.reason == f"accuracy 0.5000 is not above the floor: {floor}" and decision.floor == floor
     [artifact] = artifacts_of(state.state_details.flow_run_id, "promotion")
     assert (
-        f"not promoted: `rt`'s champion is unchanged ({decision['reason']})" in artifact
-        and f"Floor: {floor}." in artifact
+        f"not promoted: `rt`'s champion is unchanged ({decision.reason})" in artifact and f"Floor: {floor}." in artifact
     )
     assert f"Promotion floor: {floor}." in report_summary(metrics, decision)
-    assert gate(PromotionConfig(model_name="rt", min_score=0.5))["promoted"], "an explicit floor is reached, not beaten"
+    assert gate(PromotionConfig(model_name="rt", min_score=0.5)).promoted, "an explicit floor is reached, not beaten"
+
+
+def scored(accuracy: float) -> Metrics:
+    """Made-up metrics of a model (a test with no floor reads only the accuracy)."""
+    return Metrics(
+        accuracy=accuracy, macro_f1=accuracy, confusion_matrix=[[1, 0], [0, 1]], label_names=["a", "b"], rows=2
+    )
 
 
 def one_class_model(model: Path, folder: Path) -> Path:
@@ -178,7 +189,7 @@ def test_two_promotions_racing_from_the_same_champion_exactly_one_wins(
         )
     )["test"]
     cfg = PromotionConfig(model_name="rt", min_score=0)  # made-up scores: no floor
-    assert promote(str(tiny_model), {"accuracy": 0.5}, test, cfg, root, "first")["promoted"]
+    assert promote(RunStore(root, "first"), scored(0.5), test, cfg).promoted
     # Both challengers read the champion before either goes on: both compare with the same, soon stale,
     # champion, and both would beat it. (The barrier is on the read: scoring takes turns in one process.)
     both_read, reads, read = threading.Barrier(2), itertools.count(), storage.read_versioned_json
@@ -194,20 +205,19 @@ def test_two_promotions_racing_from_the_same_champion_exactly_one_wins(
         decisions = dict(
             zip(
                 ["a", "b"],
-                pool.map(
-                    lambda run: promote(f"{root}/runs/{run}/model", {"accuracy": 1.0}, test, cfg, root, run), ["a", "b"]
-                ),
+                pool.map(lambda run: promote(RunStore(root, run), scored(1.0), test, cfg), ["a", "b"]),
                 strict=True,
             )
         )
 
-    winners = [run for run, decision in decisions.items() if decision["promoted"]]
+    winners = [run for run, decision in decisions.items() if decision.promoted]
     assert len(winners) == 1, decisions
     champion = storage.read_json(storage.StorageRoot(root).champion("rt"))
     assert champion["run_id"] == winners[0] and champion["model_uri"] == f"{root}/runs/{winners[0]}/model"
     loser = decisions[{"a": "b", "b": "a"}[winners[0]]]
-    assert loser["previous_champion_uri"] == str(tiny_model) and loser["champion"] == decisions[winners[0]]["champion"]
-    assert loser["reason"].endswith(
+    assert loser.previous_champion_uri == RunStore(root, "first").model_dir
+    assert loser.champion == decisions[winners[0]].champion
+    assert loser.reason.endswith(
         f"but while this run compared, run {winners[0]} made {champion['model_uri']} the "
         f"champion (accuracy 1.0000); the next run compares with it"
     )
@@ -218,14 +228,33 @@ def test_an_unreachable_tracking_server_is_a_warning_not_a_failure(tmp_path, mon
     port = free_port()
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://user:secret@127.0.0.1:{port}")
     store = RunStore(str(tmp_path), "r1")
-    results = {
-        "test": {"accuracy": 0.5, "macro_f1": 0.5},
-        "promotion": {"promoted": False, "reason": "r"},
-        "training": {
-            "curve": {"train": [], "validation": []},
-            "history": [{"samples_per_s": 1.0, "peak_memory_mb": 1.0}],
-        },
-    }
+    epoch = EpochRecord(
+        epoch=1,
+        step=1,
+        resumed_from_step=0,
+        train_loss=1.0,
+        val_loss=1.0,
+        val_accuracy=0.5,
+        samples_per_s=1.0,
+        peak_memory_mb=1.0,
+        startup_s=None,
+        checkpoint_s=None,
+    )
+    results = Results(
+        test=scored(0.5),
+        promotion=Decision(
+            promoted=False,
+            reason="r",
+            floor="f",
+            model_name="sentiment",
+            metric="accuracy",
+            challenger=0.5,
+            champion=None,
+            previous_champion_uri=None,
+            pointer="p",
+        ),
+        training=Result(history=[epoch], curve=Curve(), validation_predictions=[], nodes=[]),
+    )
 
     @flow
     def tracked_alone() -> str | None:

@@ -5,27 +5,38 @@ from __future__ import annotations
 
 import numpy as np
 import ray
+from pydantic import BaseModel
 
 from tasks.core import cluster
 from tasks.core.data import Split, labelled_frames
 from tasks.infer.predictor import Predictor
 
 
-def metrics_of(counts: np.ndarray, label_names: list[str]) -> dict:
+class Metrics(BaseModel):
+    """A model's scores on a labelled split (the run's metrics.json)."""
+
+    accuracy: float
+    macro_f1: float
+    confusion_matrix: list[list[int]]  # true x predicted
+    label_names: list[str]
+    rows: int
+
+
+def metrics_of(counts: np.ndarray, label_names: list[str]) -> Metrics:
     """Accuracy and macro F1 from the confusion matrix (true x predicted), which is all a streamed
     evaluation keeps; F1 of a class is 2 TP / (predicted + actual), 0 where both are 0."""
     true_positives, predicted, actual = np.diag(counts), counts.sum(0), counts.sum(1)
     f1 = np.divide(2 * true_positives, predicted + actual, out=np.zeros(len(label_names)), where=predicted + actual > 0)
-    return {
-        "accuracy": float(true_positives.sum() / counts.sum()),
-        "macro_f1": float(f1.mean()),
-        "confusion_matrix": counts.tolist(),
-        "label_names": label_names,
-        "rows": int(counts.sum()),
-    }
+    return Metrics(
+        accuracy=float(true_positives.sum() / counts.sum()),
+        macro_f1=float(f1.mean()),
+        confusion_matrix=counts.tolist(),
+        label_names=label_names,
+        rows=int(counts.sum()),
+    )
 
 
-def score(model_uri: str, test: Split, batch_size: int) -> dict:
+def score(model_uri: str, test: Split, batch_size: int) -> Metrics:
     """Accuracy, macro F1 and the confusion matrix of a model on a split, computed on the cluster by
     the inference code (tasks/infer/predictor.py), batch_size rows a forward pass, with the CPUs (or a GPU)
     it has to spare. Ray work: tasks/core/jobs.py runs it where the cluster is."""

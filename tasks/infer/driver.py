@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pyarrow.dataset
 import ray
+from pydantic import BaseModel
 from ray.data import DataContext
 
 from tasks.core import cluster, jobs, storage
@@ -28,7 +29,19 @@ PART_BYTES = 64 << 20  # the most of a file one actor call labels: what a retrie
 ONE_ACTOR_ROWS = 4_000
 
 
-def labelled(model_uri: str, cfg: InferenceConfig, output_uri: str) -> dict:
+class Labelled(BaseModel):
+    """What a batch-inference job labelled, where, and how fast."""
+
+    output_uri: str
+    rows: int
+    files: int
+    seconds: float
+    rows_per_s: float
+    actors: int
+    parts: int
+
+
+def labelled(model_uri: str, cfg: InferenceConfig, output_uri: str) -> Labelled:
     """The stage's Ray work (tasks/core/jobs.py runs it where the cluster is): the files as the cluster
     sees them, cut into parts, then one Ray Data pipeline of model actors, each labelling a part per
     call (tasks/infer/worker.py)."""
@@ -102,15 +115,15 @@ def labelled(model_uri: str, cfg: InferenceConfig, output_uri: str) -> dict:
         seconds,
         rows / seconds,
     )
-    return {
-        "output_uri": output_uri,
-        "rows": rows,
-        "files": len(files),
-        "seconds": round(seconds, 2),
-        "rows_per_s": round(rows / seconds, 1),
-        "actors": actors,
-        "parts": len(parts),
-    }
+    return Labelled(
+        output_uri=output_uri,
+        rows=rows,
+        files=len(files),
+        seconds=round(seconds, 2),
+        rows_per_s=round(rows / seconds, 1),
+        actors=actors,
+        parts=len(parts),
+    )
 
 
 def cut_in_parts(sizes: dict[str, int], actors: int) -> list[dict]:

@@ -10,11 +10,11 @@ from tasks.core import jobs
 from tasks.core.config import InferenceConfig
 from tasks.core.live import Tracked
 from tasks.core.retries import RETRY_TRANSIENT
-from tasks.infer.driver import labelled
+from tasks.infer.driver import Labelled, labelled
 
 
 @task(**RETRY_TRANSIENT)
-def predict_files(model_uri: str, cfg: InferenceConfig, output_uri: str, ray_address: str | None = None) -> dict:
+def predict_files(model_uri: str, cfg: InferenceConfig, output_uri: str, ray_address: str | None = None) -> Labelled:
     """Label every row of every file cfg.input_uri names; Parquet (id, text, label, score) at
     output_uri, complete once output_uri/_SUCCESS.json exists (rows, input and model fingerprints).
     The flows check the inputs first (tasks/validate/checks.py)."""
@@ -24,7 +24,7 @@ def predict_files(model_uri: str, cfg: InferenceConfig, output_uri: str, ray_add
         result = jobs.run(labelled, ray_address, progress, model_uri=model_uri, cfg=cfg, output_uri=output_uri)
     create_table_artifact(
         key="batch-inference-throughput",
-        table=[{key: result[key] for key in ("rows", "files", "seconds", "rows_per_s", "actors", "parts")}],
-        description=f"{model_uri} over {result['files']} file(s), labels in {output_uri}",
+        table=[result.model_dump(exclude={"output_uri"})],
+        description=f"{model_uri} over {result.files} file(s), labels in {output_uri}",
     )
     return result

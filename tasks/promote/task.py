@@ -22,12 +22,14 @@ from datetime import UTC, datetime
 import numpy as np
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
+from pydantic import BaseModel
 
 from tasks.core import events, jobs, storage
 from tasks.core.config import InferenceConfig, PromotionConfig
 from tasks.core.data import Split
 from tasks.core.retries import RETRY_TRANSIENT
-from tasks.evaluate.driver import metrics_of, score
+from tasks.core.storage import RunStore
+from tasks.evaluate.driver import Metrics, metrics_of, score
 
 
 def reading(split: Split) -> dict:
@@ -47,47 +49,57 @@ def champions_score(current: dict, test: Split, metric: str, ray_address: str | 
         return current["value"]
     # The default batch size: it sets the speed, not the labels.
     batch_size = InferenceConfig().batch_size
-    return jobs.run(
+    scored = jobs.run(
         score, ray_address, get_run_logger(), model_uri=current["model_uri"], test=test, batch_size=batch_size
-    )[metric]
+    )
+    return getattr(scored, metric)
 
 
-def floor(metrics: dict, cfg: PromotionConfig) -> tuple[float, bool, str]:
+def floor(metrics: Metrics, cfg: PromotionConfig) -> tuple[float, bool, str]:
     """(the least score, whether reaching it is enough, the floor in words): promotion.min_score, or
     the score of always predicting the test split's majority class (from the confusion matrix's true
     counts), which a model must beat."""
     if cfg.min_score is not None:
         return cfg.min_score, True, f"{cfg.metric} >= {cfg.min_score:.4f} (promotion.min_score)"
-    actual = np.asarray(metrics["confusion_matrix"]).sum(1)
+    actual = np.asarray(metrics.confusion_matrix).sum(1)
     majority = int(actual.argmax())
     one_class = np.zeros((len(actual), len(actual)), dtype=np.int64)
     one_class[:, majority] = actual
-    least = metrics_of(one_class, metrics["label_names"])[cfg.metric]
+    least = getattr(metrics_of(one_class, metrics.label_names), cfg.metric)
     return (
         least,
         False,
         (
             f"{cfg.metric} > {least:.4f}, the score of always predicting the test split's majority class "
-            f"'{metrics['label_names'][majority]}' (promotion.min_score unset)"
+            f"'{metrics.label_names[majority]}' (promotion.min_score unset)"
         ),
     )
 
 
+class Decision(BaseModel):
+    """The promotion gate's decision, with why."""
+
+    promoted: bool
+    reason: str
+    floor: str  # the least score, in words
+    model_name: str
+    metric: str
+    challenger: float
+    champion: float | None  # the champion's score on this test split; None when there was none to beat
+    previous_champion_uri: str | None
+    pointer: str
+
+
 @task(**RETRY_TRANSIENT)
 def promote(
-    model_uri: str,
-    metrics: dict,
-    test: Split,
-    cfg: PromotionConfig,
-    root: str,
-    run_id: str,
-    ray_address: str | None = None,
-) -> dict:
-    """Make model_uri the champion of cfg.model_name if it clears the floor and is at least as good as
-    the champion; the decision, with why."""
+    store: RunStore, metrics: Metrics, test: Split, cfg: PromotionConfig, ray_address: str | None = None
+) -> Decision:
+    """Make the run's model the champion of cfg.model_name if it clears the floor and is at least as
+    good as the champion on the test split."""
+    model_uri, run_id, root = store.model_dir, store.run_id, store.root
     pointer = storage.StorageRoot(root).champion(cfg.model_name)
     current, version = storage.read_versioned_json(pointer)
-    challenger, (least, reaching_is_enough, floor_words) = metrics[cfg.metric], floor(metrics, cfg)
+    challenger, (least, reaching_is_enough, floor_words) = getattr(metrics, cfg.metric), floor(metrics, cfg)
     champion = None
     if challenger < least or (challenger == least and not reaching_is_enough):
         promoted, why = False, f"{cfg.metric} {challenger:.4f} is not above the floor: {floor_words}"
@@ -126,17 +138,17 @@ def promote(
             root,
             storage.StorageRoot(root).labels(cfg.model_name, run_id),
         )
-    decision = {
-        "promoted": promoted,
-        "reason": why,
-        "floor": floor_words,
-        "model_name": cfg.model_name,
-        "metric": cfg.metric,
-        "challenger": challenger,
-        "champion": champion,
-        "previous_champion_uri": current and current["model_uri"],
-        "pointer": pointer,
-    }
+    decision = Decision(
+        promoted=promoted,
+        reason=why,
+        floor=floor_words,
+        model_name=cfg.model_name,
+        metric=cfg.metric,
+        challenger=challenger,
+        champion=champion,
+        previous_champion_uri=current["model_uri"] if current else None,
+        pointer=pointer,
+    )
     get_run_logger().info("%s (%s)", verdict(decision).replace("`", ""), why)
     create_markdown_artifact(
         key="promotion",
@@ -146,11 +158,9 @@ def promote(
     return decision
 
 
-def verdict(decision: dict) -> str:
+def verdict(decision: Decision) -> str:
     """The decision in a few words (Markdown), for the log, the artifact and the report."""
-    name = decision["model_name"]
+    name = decision.model_name
     return (
-        f"promoted to champion of `{name}`"
-        if decision["promoted"]
-        else f"not promoted: `{name}`'s champion is unchanged"
+        f"promoted to champion of `{name}`" if decision.promoted else f"not promoted: `{name}`'s champion is unchanged"
     )

@@ -8,11 +8,43 @@ from datetime import UTC, datetime
 from importlib.metadata import version
 
 from prefect import task
+from pydantic import BaseModel
 
 from tasks.core import storage
 from tasks.core.retries import RETRY_TRANSIENT
+from tasks.evaluate.driver import Metrics
+from tasks.infer.driver import Labelled
+from tasks.promote.task import Decision
+from tasks.train.contract import Result
 
 PACKAGES = ("torch", "transformers", "tokenizers", "deepspeed", "ray", "prefect", "pyarrow", "fsspec", "s3fs")
+
+
+class Outputs(BaseModel):
+    """Where a run's artifacts are."""
+
+    tokenized: dict[str, str]  # each split's shards
+    checkpoints: str
+    model: str
+    metrics: str
+    predictions: Labelled
+    report: str
+    manifest: str
+
+
+class Results(BaseModel):
+    """What a run's stages returned, as its report, manifest and MLflow run read it."""
+
+    test: Metrics
+    training: Result
+    promotion: Decision
+
+    def recorded(self) -> dict:
+        """As the manifest holds them: the training's history, curve, nodes and strategy, not its predictions."""
+        return self.model_dump(
+            mode="json",
+            include={"test": True, "promotion": True, "training": {"history", "curve", "nodes", "strategy"}},
+        )
 
 
 def versions() -> dict[str, str]:
@@ -21,7 +53,7 @@ def versions() -> dict[str, str]:
 
 @task(**RETRY_TRANSIENT)
 def write_manifest(
-    manifest_uri: str, config: dict, cluster: dict, data: dict, outputs: dict, metrics: dict, seconds: dict
+    manifest_uri: str, config: dict, data: dict, outputs: Outputs, results: Results, seconds: dict
 ) -> str:
     storage.write_json(
         manifest_uri,
@@ -29,10 +61,10 @@ def write_manifest(
             "completed_at": datetime.now(UTC).isoformat(),
             "config": config,
             "versions": versions(),
-            "cluster": cluster,  # the one that trained
+            "cluster": results.training.cluster,  # the one that trained
             "data": data,
-            "outputs": outputs,
-            "metrics": metrics,
+            "outputs": outputs.model_dump(mode="json"),
+            "metrics": results.recorded(),
             "seconds": seconds,  # wall time per stage
         },
     )

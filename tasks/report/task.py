@@ -21,9 +21,12 @@ from tasks.core.data import Split
 from tasks.core.progress import STAGE
 from tasks.core.retries import RETRY_TRANSIENT
 from tasks.core.storage import RunStore
+from tasks.evaluate.driver import Metrics
 from tasks.evaluate.task import confusion_markdown
-from tasks.promote.task import verdict
-from tasks.report.manifest import versions
+from tasks.infer.driver import Labelled
+from tasks.promote.task import Decision, verdict
+from tasks.report.manifest import Outputs, Results, versions
+from tasks.train.contract import Curve, Result
 
 PLOTS = {"training": "training.png", "confusion": "confusion-matrix.png"}
 
@@ -59,20 +62,20 @@ def png(figure: Figure) -> bytes:
     return buffer.getvalue()
 
 
-def training_plot(curve: dict) -> bytes:
+def training_plot(curve: Curve) -> bytes:
     """Loss and accuracy against the optimizer step: training (averaged per logging interval) and validation."""
     figure = Figure(figsize=(11, 3.8))
     for axes, measure in zip(figure.subplots(1, 2), ("loss", "accuracy"), strict=True):
-        for points, name, style in ((curve["train"], "training", "-"), (curve["validation"], "validation", "o-")):
-            axes.plot([p["step"] for p in points], [p[measure] for p in points], style, label=name)
+        for points, name, style in ((curve.train, "training", "-"), (curve.validation, "validation", "o-")):
+            axes.plot([p.step for p in points], [getattr(p, measure) for p in points], style, label=name)
         axes.set(xlabel="optimizer step", ylabel=measure, title=measure)
         axes.grid(alpha=0.3)
         axes.legend()
     return png(figure)
 
 
-def confusion_plot(metrics: dict) -> bytes:
-    names, counts = metrics["label_names"], metrics["confusion_matrix"]
+def confusion_plot(metrics: Metrics) -> bytes:
+    names, counts = metrics.label_names, metrics.confusion_matrix
     figure = Figure(figsize=(1.2 * len(names) + 2.5, 1.0 * len(names) + 2))
     axes = figure.subplots()
     axes.imshow(counts, cmap="Blues")
@@ -87,7 +90,7 @@ def confusion_plot(metrics: dict) -> bytes:
         yticklabels=names,
         xlabel="predicted",
         ylabel="true",
-        title=f"test split, {metrics['rows']} rows",
+        title=f"test split, {metrics.rows} rows",
     )
     return png(figure)
 
@@ -98,29 +101,28 @@ def link(uri: str, under: str = "") -> str:
     return f"[`{name}`]({uri if storage.is_remote(uri) else 'file://' + uri})"
 
 
-def summary(metrics: dict, promotion: dict) -> list[str]:
+def summary(metrics: Metrics, promotion: Decision) -> list[str]:
     return [
-        f"Test accuracy **{metrics['accuracy']:.4f}**, macro F1 **{metrics['macro_f1']:.4f}** "
-        f"on {metrics['rows']} rows.",
+        f"Test accuracy **{metrics.accuracy:.4f}**, macro F1 **{metrics.macro_f1:.4f}** on {metrics.rows} rows.",
         "",
-        f"Promotion: **{verdict(promotion)}** ({promotion['reason']}).",
+        f"Promotion: **{verdict(promotion)}** ({promotion.reason}).",
         "",
-        f"Promotion floor: {promotion['floor']}.",
+        f"Promotion floor: {promotion.floor}.",
         "",
     ]
 
 
-def metric_rows(training: dict, metrics: dict, promotion: dict) -> list[dict]:
-    last = training["history"][-1]
+def metric_rows(results: Results) -> list[dict]:
+    last, metrics, promotion = results.training.history[-1], results.test, results.promotion
     rows = [
-        ("train", "loss", last["train_loss"]),
-        ("validation", "loss", last["val_loss"]),
-        ("validation", "accuracy", last["val_accuracy"]),
-        ("test", "accuracy", metrics["accuracy"]),
-        ("test", "macro_f1", metrics["macro_f1"]),
+        ("train", "loss", last.train_loss),
+        ("validation", "loss", last.val_loss),
+        ("validation", "accuracy", last.val_accuracy),
+        ("test", "accuracy", metrics.accuracy),
+        ("test", "macro_f1", metrics.macro_f1),
     ]
-    if promotion["champion"] is not None:
-        rows.append(("test", f"champion {promotion['metric']}", promotion["champion"]))
+    if promotion.champion is not None:
+        rows.append(("test", f"champion {promotion.metric}", promotion.champion))
     return [{"split": split, "metric": name, "value": round(value, 4)} for split, name, value in rows]
 
 
@@ -131,18 +133,18 @@ def table(rows: list[dict]) -> list[str]:
     ]
 
 
-def epoch_rows(training: dict) -> list[dict]:
+def epoch_rows(training: Result) -> list[dict]:
     return [
         {
-            "epoch": e["epoch"],
-            "step": e["step"],
-            "train loss": round(e["train_loss"], 4),
-            "val loss": round(e["val_loss"], 4),
-            "val accuracy": round(e["val_accuracy"], 4),
-            "samples/s": round(e["samples_per_s"], 1),
-            "peak MiB per worker": round(e["peak_memory_mb"]),
+            "epoch": e.epoch,
+            "step": e.step,
+            "train loss": round(e.train_loss, 4),
+            "val loss": round(e.val_loss, 4),
+            "val accuracy": round(e.val_accuracy, 4),
+            "samples/s": round(e.samples_per_s, 1),
+            "peak MiB per worker": round(e.peak_memory_mb),
         }
-        for e in training["history"]
+        for e in training.history
     ]
 
 
@@ -164,22 +166,21 @@ def markdown(
     store: RunStore,
     config: dict,
     splits: dict[str, Split],
-    outputs: dict,
-    results: dict,
+    outputs: Outputs,
+    results: Results,
     seconds: dict,
     images: dict[str, str],
 ) -> str:
     """The report, with each plot at images[name]: a file beside it, or the PNG inline for the Prefect UI."""
-    training, metrics, promotion = results["training"], results["test"], results["promotion"]
     root = storage.normalize(store.root)
     stored = {
-        "model": outputs["model"],
-        "metrics": outputs["metrics"],
-        "predictions": outputs["predictions"]["output_uri"],
-        "training checkpoints": outputs["checkpoints"],
-        "report and plots": outputs["report"],
-        "manifest (config, versions, data hashes)": outputs["manifest"],
-        "champion pointer": promotion["pointer"],
+        "model": outputs.model,
+        "metrics": outputs.metrics,
+        "predictions": outputs.predictions.output_uri,
+        "training checkpoints": outputs.checkpoints,
+        "report and plots": outputs.report,
+        "manifest (config, versions, data hashes)": outputs.manifest,
+        "champion pointer": results.promotion.pointer,
     }
 
     def plot_link(name: str) -> str:
@@ -190,10 +191,10 @@ def markdown(
         "",
         f"Run folder: {link(store.base)}",
         "",
-        *summary(metrics, promotion),
+        *summary(results.test, results.promotion),
         "## Metrics",
         "",
-        *table(metric_rows(training, metrics, promotion)),
+        *table(metric_rows(results)),
         "",
         "## Training",
         "",
@@ -201,7 +202,7 @@ def markdown(
         "",
         plot_link("training"),
         "",
-        *table(epoch_rows(training)),
+        *table(epoch_rows(results.training)),
         "",
         "## Confusion matrix (test)",
         "",
@@ -209,13 +210,13 @@ def markdown(
         "",
         plot_link("confusion"),
         "",
-        confusion_markdown(metrics),
+        confusion_markdown(results.test),
         "",
         "## Data",
         "",
-        *table(data_rows(splits, outputs["tokenized"], root)),
+        *table(data_rows(splits, outputs.tokenized, root)),
         "",
-        f"Predictions: {outputs['predictions']['rows']} rows from {outputs['predictions']['files']} file(s).",
+        f"Predictions: {outputs.predictions.rows} rows from {outputs.predictions.files} file(s).",
         "",
         "## Timings",
         "",
@@ -239,10 +240,10 @@ def markdown(
 
 @task(**RETRY_TRANSIENT)
 def publish_report(
-    store: RunStore, config: dict, splits: dict[str, Split], outputs: dict, results: dict, seconds: dict
+    store: RunStore, config: dict, splits: dict[str, Split], outputs: Outputs, results: Results, seconds: dict
 ) -> str:
     """report.md and its plots in the run's report folder, and the same report and a metrics table as Prefect artifacts."""
-    plots = {"training": training_plot(results["training"]["curve"]), "confusion": confusion_plot(results["test"])}
+    plots = {"training": training_plot(results.training.curve), "confusion": confusion_plot(results.test)}
     for name, image in plots.items():
         storage.write_bytes(storage.join(store.report, PLOTS[name]), image)
     beside = markdown(store, config, splits, outputs, results, seconds, PLOTS)
@@ -256,26 +257,25 @@ def publish_report(
     )
     create_table_artifact(
         key="run-metrics",
-        table=metric_rows(results["training"], results["test"], results["promotion"]),
+        table=metric_rows(results),
         description=f"Final metrics of run {store.run_id}",
     )
     return store.report_md
 
 
 @task
-def publish_inference_report(model_ref: str, model_uri: str, parameters: dict, result: dict) -> None:
+def publish_inference_report(model_ref: str, model_uri: str, parameters: dict, result: Labelled) -> None:
     """The batch_infer run's report: what labelled what, where the labels are, how fast."""
     named = f"`{model_ref}`, that is {link(model_uri)}" if model_ref != model_uri else link(model_uri)
     lines = [
-        f"# batch_infer: {result['rows']:,} rows labelled",
+        f"# batch_infer: {result.rows:,} rows labelled",
         "",
         f"Model: {named}",
         "",
-        f"Labels: {link(result['output_uri'])} (Parquet: id, text, label, score; complete once "
+        f"Labels: {link(result.output_uri)} (Parquet: id, text, label, score; complete once "
         f"`{storage.MARKER}` is there)",
         "",
-        f"{result['files']} input file(s), {result['rows']:,} rows in {result['seconds']:.1f} s "
-        f"({result['rows'] / result['seconds']:,.0f} rows/s).",
+        f"{result.files} input file(s), {result.rows:,} rows in {result.seconds:.1f} s ({result.rows_per_s:,.0f} rows/s).",
         "",
         "## Parameters",
         "",
@@ -285,5 +285,5 @@ def publish_inference_report(model_ref: str, model_uri: str, parameters: dict, r
         "",
     ]
     create_markdown_artifact(
-        key="batch-inference-report", markdown="\n".join(lines), description=f"{model_ref} -> {result['output_uri']}"
+        key="batch-inference-report", markdown="\n".join(lines), description=f"{model_ref} -> {result.output_uri}"
     )

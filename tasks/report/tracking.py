@@ -21,6 +21,7 @@ from prefect import get_run_logger, task
 from tasks.core import storage
 from tasks.core.config import FinetuneParams
 from tasks.core.storage import RunStore
+from tasks.report.manifest import Results
 
 # MLflow's client retries a failing HTTP request for minutes by default; a run waits for none of it.
 HTTP_RETRIES, HTTP_TIMEOUT_S = "0", "10"
@@ -53,27 +54,27 @@ def flat(config: dict, prefix: str = "") -> dict[str, str]:
     return pairs
 
 
-def metrics_of(results: dict, seconds: dict) -> list[tuple[str, float, int]]:
+def metrics_of(results: Results, seconds: dict) -> list[tuple[str, float, int]]:
     """(name, value, step): the curve at its steps, then the final numbers at step 0."""
-    curve, last = results["training"]["curve"], results["training"]["history"][-1]
+    curve, last = results.training.curve, results.training.history[-1]
     points = [
-        (f"{split}_{measure}", point[measure], point["step"])
-        for split, name in (("train", "train"), ("val", "validation"))
-        for point in curve[name]
+        (f"{split}_{measure}", getattr(point, measure), point.step)
+        for split, points in (("train", curve.train), ("val", curve.validation))
+        for point in points
         for measure in ("loss", "accuracy")
     ]
     final = {
-        "test_accuracy": results["test"]["accuracy"],
-        "test_macro_f1": results["test"]["macro_f1"],
-        "samples_per_s": last["samples_per_s"],
-        "peak_memory_mb": last["peak_memory_mb"],
+        "test_accuracy": results.test.accuracy,
+        "test_macro_f1": results.test.macro_f1,
+        "samples_per_s": last.samples_per_s,
+        "peak_memory_mb": last.peak_memory_mb,
         **{"seconds." + stage.replace(" ", "_").replace("'", ""): value for stage, value in seconds.items()},
     }
     return points + [(name, float(value), 0) for name, value in final.items()]
 
 
 @task
-def track(params: FinetuneParams, store: RunStore, results: dict, seconds: dict) -> str | None:
+def track(params: FinetuneParams, store: RunStore, results: Results, seconds: dict) -> str | None:
     """Log the run to MLflow; its MLflow run id, or None when not tracked (a warning says why)."""
     logger, uri = get_run_logger(), tracking_uri(params.storage_root)
     if uri is None:
@@ -98,7 +99,7 @@ def track(params: FinetuneParams, store: RunStore, results: dict, seconds: dict)
     return run_id
 
 
-def logged(uri: str, params: FinetuneParams, store: RunStore, results: dict, seconds: dict) -> str:
+def logged(uri: str, params: FinetuneParams, store: RunStore, results: Results, seconds: dict) -> str:
     from mlflow import MlflowClient  # here: a second of imports the runs that track nothing skip
     from mlflow.entities import Metric, Param, RunTag
 
@@ -114,7 +115,7 @@ def logged(uri: str, params: FinetuneParams, store: RunStore, results: dict, sec
     # A flow run retried (same run id) logs into its MLflow run again rather than adding a second one.
     [found] = client.search_runs([experiment_id], f"tags.`ftflow.run_id` = '{store.run_id}'", max_results=1) or [None]
     run = found or client.create_run(experiment_id, run_name=store.run_id, tags={"ftflow.run_id": store.run_id})
-    run_id, promotion = run.info.run_id, results["promotion"]
+    run_id, promotion = run.info.run_id, results.promotion
     stamp = int(time.time() * 1000)
     metrics = [Metric(name, value, stamp, step) for name, value, step in metrics_of(results, seconds)]
     logged_params = [] if found else [Param(key, value) for key, value in flat(params.model_dump(mode="json")).items()]
@@ -130,8 +131,8 @@ def logged(uri: str, params: FinetuneParams, store: RunStore, results: dict, sec
                 "ftflow.run_dir": store.base,
                 "ftflow.model_uri": store.model_dir,
                 "ftflow.report": store.report_md,
-                "ftflow.promoted": str(promotion["promoted"]).lower(),
-                "ftflow.promotion": promotion.get("reason", ""),
+                "ftflow.promoted": str(promotion.promoted).lower(),
+                "ftflow.promotion": promotion.reason,
             }.items()
         ],
     )
