@@ -16,9 +16,7 @@ from __future__ import annotations
 from itertools import islice
 
 import numpy as np
-import ray
 import ray.train
-import ray.train.torch
 import torch
 
 from tasks.core.config import TrainConfig

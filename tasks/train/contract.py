@@ -1,14 +1,23 @@
 """What training's driver and workers say to each other, typed: the driver's Plan and WorkerSpec go to
 every worker; rank 0 writes the Result (history, curve, validation predictions) beside the exported
 model as STATE_FILE, and the driver reads it back; a test's Fault rides along. Progress is what a
-checkpoint holds for resume. Imports no Prefect, Ray or torch."""
+checkpoint holds for resume; Choice is what strategy=auto chose. Imports no Prefect, Ray or torch."""
 
 from __future__ import annotations
 
 from pydantic import BaseModel
 
 from tasks.core.config import TrainConfig
-from tasks.train.strategy import Choice
+
+
+class Choice(BaseModel):
+    """What strategy=auto chose and why, as the run's log and manifest record it."""
+
+    settings: dict  # the TrainConfig fields it set (chosen)
+    need_gb: float  # the estimated need per worker of the chosen strategy
+    budget_gb: float  # the memory per worker it had
+    reason: str
+
 
 STATE_FILE = "training_state.json"  # beside the exported model: the history, the curve, the validation predictions
 

@@ -35,7 +35,7 @@ from tasks.core.progress import relayed
 from tasks.core.storage import RunStore
 from tasks.tokenize.worker import SHARD_SCHEMA
 from tasks.train import strategy
-from tasks.train.contract import STATE_FILE, Fault, Plan, Result, WorkerSpec
+from tasks.train.contract import STATE_FILE, Choice, Fault, Plan, Result, WorkerSpec
 from tasks.train.pipeline import IGNORED
 from tasks.train.watch import FailureRelay, Watchdog, own
 from tasks.train.worker import train_worker
@@ -152,7 +152,7 @@ def plan(cfg: TrainConfig, resources: cluster.Resources) -> Plan:
 
 def resolved(
     cfg: TrainConfig, model: ModelConfig, labels: int, resources: cluster.Resources
-) -> tuple[TrainConfig, strategy.Choice | None]:
+) -> tuple[TrainConfig, Choice | None]:
     """The config as it trains: with strategy=auto, the fastest candidate (tasks/train/strategy.py) whose
     estimated need per worker, as `plan` would run it here, is within the memory a worker has."""
     if cfg.strategy == "manual":
@@ -307,7 +307,7 @@ def data_config() -> DataConfig:
 
 def planned(
     model: ModelConfig, label_names: list[str], cfg: TrainConfig
-) -> tuple[TrainConfig, strategy.Choice | None, Plan]:
+) -> tuple[TrainConfig, Choice | None, Plan]:
     """The config as it trains (strategy=auto resolved), why, and its plan on this cluster; or what to change."""
     check_parallelism(cfg, model)
     resources = cluster.Resources.of_cluster()

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pydantic import BaseModel
 from transformers import AutoConfig, AutoModelForSequenceClassification
 
 from tasks.core.config import AUTO_CHOOSES, TrainConfig, hub_free
+from tasks.train.contract import Choice
 
 GIB = 2**30
 # What a CPU worker holds before its model: Python, torch, transformers, DeepSpeed and Ray's worker
@@ -32,15 +32,6 @@ OFFLOAD = [
     {"zero_stage": 3, "offload_optimizer": True},
     {"zero_stage": 3, "offload_optimizer": True, "offload_params": True},
 ]
-
-
-class Choice(BaseModel):
-    """What strategy=auto chose and why, as the run's log and manifest record it."""
-
-    settings: dict  # the TrainConfig fields it set (chosen)
-    need_gb: float  # the estimated need per worker of the chosen strategy
-    budget_gb: float  # the memory per worker it had
-    reason: str
 
 
 @dataclass(frozen=True)
