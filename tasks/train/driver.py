@@ -305,9 +305,7 @@ def data_config() -> DataConfig:
     return DataConfig(execution_options=options)
 
 
-def planned(
-    model: ModelConfig, label_names: list[str], cfg: TrainConfig
-) -> tuple[TrainConfig, Choice | None, Plan]:
+def planned(model: ModelConfig, label_names: list[str], cfg: TrainConfig) -> tuple[TrainConfig, Choice | None, Plan]:
     """The config as it trains (strategy=auto resolved), why, and its plan on this cluster; or what to change."""
     check_parallelism(cfg, model)
     resources = cluster.Resources.of_cluster()

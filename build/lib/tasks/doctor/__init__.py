@@ -1,1 +1,0 @@
-"""`ftflow doctor`: checks.py drives the checks; worker.py is their work on the cluster's workers."""

@@ -1,1 +1,0 @@
-"""Before any cluster work: the data, the model, the files to label and storage (checks.py)."""
