@@ -7,8 +7,7 @@ Ray workers post ticks, lines (say), heartbeats (beat) and running counts (tally
 (relayed) that the stage's driver drains: Ray Train returns nothing to the driver until it ends, nor
 Ray Data until its pipeline has run. tasks/train/watch.py builds training's heartbeats, failure lines and
 stall watch on it; tokenization's shard tasks and batch inference's actors tally the rows they
-wrote or labelled (tallied). This module imports no
-Prefect.
+wrote or labelled (tallied). This module imports no Prefect.
 """
 
 from __future__ import annotations
@@ -39,7 +38,7 @@ class Tick(BaseModel):
     stage: str  # tokenize, train, batch inference: the flow stage it is part of
     done: float
     total: float | None  # None while unknown
-    unit: str  # shards, steps, rows
+    unit: str  # steps, rows
     metrics: dict[str, float] = {}
     text: str = ""  # the line's own words after the counts; default: the metrics
 

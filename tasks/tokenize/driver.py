@@ -107,13 +107,13 @@ def _tokenize_splits(
 
     def tick_of(tallies: list[bytes]) -> Tick:
         counts = [Written.model_validate_json(value) for value in tallies]
-        done = sum(count.done for count in counts)
+        finished = sum(count.done for count in counts)
         return Tick(
             stage="tokenize",
             done=sum(count.rows for count in counts),
             total=total,
             unit="rows",
-            text=f"{done}/{len(planned)} shards",
+            text=f"{finished}/{len(planned)} shards",
         )
 
     with tallied(jobs.log, tick_of, last=True) as channel:
