@@ -50,10 +50,6 @@ def shipped_reviews() -> list[dict]:
     return [json.loads(line) for line in (ROOT / "data/rotten_tomatoes/train.jsonl").read_text().split("\n") if line]
 
 
-def review_texts() -> list[str]:
-    return [review["text"] for review in shipped_reviews()]
-
-
 def write_corpus(rows: int, files: int, folder: Path, labels: bool = False) -> list[Path]:
     """`rows` reviews, repeated and each prefixed with its row number, in `files` JSONL files; with
     each review's own label when `labels` (what labelled splits need)."""
@@ -146,8 +142,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model = {"minilm": ModelConfig().name_or_path}.get(args.model, args.model)
         if model == "tiny":
-            texts = review_texts()
-            model = str(make_tiny_bert(texts, Path(tmp) / "tiny-bert"))
+            model = str(make_tiny_bert(Path(tmp) / "tiny-bert"))
         for rows in args.rows:
             corpus = Path(tmp) / f"corpus-{rows}"
             corpus.mkdir()

@@ -87,8 +87,7 @@ def main() -> None:
     if args.runs < 2:
         parser.error("--runs must be at least 2: growth is measured after the first run")
     work = Path(tempfile.mkdtemp(prefix="ftflow-soak-"))
-    texts = [review["text"] for review in read_jsonl(SHIPPED_DATA / "train.jsonl")]
-    model = make_tiny_bert(texts, work / "tiny-bert")
+    model = make_tiny_bert(work / "tiny-bert")
     data = slices(work / "data", {"train": 512, "validation": 64, "test": 64})
     params = FinetuneParams(
         data=DataConfig(train_uri=data["train"], validation_uri=data["validation"], test_uri=data["test"]),

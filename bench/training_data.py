@@ -34,7 +34,7 @@ from tiny_model import make_tiny_bert  # noqa: E402
 
 import tasks.train.driver  # noqa: E402
 from tasks.core import cluster  # noqa: E402
-from tasks.core.config import SHIPPED_DATA, DataConfig, ModelConfig, TrainConfig  # noqa: E402
+from tasks.core.config import DataConfig, ModelConfig, TrainConfig  # noqa: E402
 from tasks.core.data import load_splits  # noqa: E402
 from tasks.core.storage import RunStore  # noqa: E402
 from tasks.tokenize.driver import load_tokenizer, tokenize_key  # noqa: E402
@@ -155,11 +155,7 @@ def main() -> None:
     cluster.connect()
     results = {}
     with tempfile.TemporaryDirectory() as tmp, disable_run_logger():
-        tiny = str(
-            make_tiny_bert(
-                [json.loads(line)["text"] for line in (SHIPPED_DATA / "train.jsonl").open()], Path(tmp) / "tiny"
-            )
-        )
+        tiny = str(make_tiny_bert(Path(tmp) / "tiny"))
         splits = load_splits(DataConfig())
         cases = {}
         for model, max_length in [(tiny, 64)] + ([(ModelConfig().name_or_path, 128)] if args.main_job else []):

@@ -202,8 +202,7 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
-    texts = [r["text"] for r in read_jsonl(SHIPPED_DATA / "train.jsonl")]
-    return make_tiny_bert(texts, tmp_path_factory.mktemp("tiny-bert"))
+    return make_tiny_bert(tmp_path_factory.mktemp("tiny-bert"))
 
 
 @pytest.fixture(scope="session")
