@@ -291,6 +291,31 @@ def test_training_past_its_timeout_fails_and_frees_the_cluster(ray_cluster, tiny
     assert ray_cluster.available_resources().get("CPU") == ray_cluster.cluster_resources()["CPU"]
 
 
+def test_a_timeout_that_lands_inside_ray_reads_as_the_timeout(ray_cluster):
+    """On an H100, Prefect's timeout signal landed inside `ray.get`'s C code, which CPython reports as a
+    SystemError caused by Prefect's cancellation: the run failed with "<built-in method __new__ ...>
+    returned a result with an exception set". The stage here raises what CPython raised there."""
+    from prefect import get_run_logger, task
+
+    from tasks.core import jobs
+
+    def stage_interrupted_inside_c() -> None:
+        try:
+            for _ in range(300):
+                time.sleep(0.1)  # a task off the main thread is interrupted between calls, not in one
+        except BaseException as cancelled:
+            raise SystemError("<built-in method __new__> returned a result with an exception set") from cancelled
+
+    @task(timeout_seconds=1)
+    def stage_task() -> None:
+        jobs.run(stage_interrupted_inside_c, None, get_run_logger())
+
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match="timed out after 1"):
+        stage_task()
+    assert time.monotonic() - started < 10
+
+
 def test_a_driver_killed_mid_training_leaves_no_process_and_the_run_resumes(
     ray_stopped, tiny_model, small_data, tmp_path
 ):

@@ -56,7 +56,24 @@ def run(
         return submitted(stage, api, logger, arguments)
     with IN_PROCESS, forwarded(logger):
         cluster.connect(address)
-        return stage(**arguments)
+        try:
+            return stage(**arguments)
+        except SystemError as error:
+            if cancelled := cancellation_in(error):
+                raise cancelled from None
+            raise
+
+
+def cancellation_in(error: BaseException) -> asyncio.CancelledError | None:
+    """The cancellation a SystemError hides, if it does. Prefect's task timeout raises its
+    CancelledError (an asyncio one) from a signal handler. When the signal lands inside a C function
+    of Ray's that calls back into Python and ignores the error (`ray.get` did, on an H100), CPython
+    reports a SystemError caused by it, which Prefect does not read as its timeout: the run failed
+    with "<built-in method __new__ ...> returned a result with an exception set" instead of saying
+    that training passed train.timeout_s. Raised again, it becomes Prefect's timeout error."""
+    while error is not None and not isinstance(error, asyncio.CancelledError):
+        error = error.__cause__ or error.__context__
+    return error
 
 
 @contextmanager
