@@ -238,6 +238,10 @@ def deepspeed_config(cfg: TrainConfig, plan: Plan, total_steps: int, hidden_size
             },
         },
         "steps_per_print": 10**9,
+        # DeepSpeed's throughput timer synchronizes the device at every forward and every step by
+        # default: the host then waits for the GPU instead of queueing the next kernels. ftflow
+        # measures its own samples/s (tasks/train/worker.py's Meter) without a sync per step.
+        "timers": {"throughput": {"enabled": False}},
     }
     if cfg.tensor_parallel_size > 1:
         derived["tensor_parallel"] = {"autotp_size": cfg.tensor_parallel_size}
