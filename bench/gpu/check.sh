@@ -13,6 +13,9 @@ here=$(cd "$(dirname "$0")" && pwd); R=$(cd "$here/../.." && pwd); cd "$R" || ex
 S=/tmp/site; O=${OUT:-/tmp/out}; mkdir -p "$O"; RES=$O/results.txt; : > "$RES"
 exec > >(tee "$O/check.txt") 2>&1
 DEADLINE=${CHECK_DEADLINE_S:-520}  # a step killed at its limit may take ~20 s more (SIGINT, then SIGKILL 15 s later)
+# The steps to run, in this order (a rerun after a fix needs only some): STEPS="zero2-b256 default infer".
+STEPS=" ${STEPS:-doctor default zero2-b256 zero3-b256 baselines infer} "
+want(){ [[ $STEPS == *" $1 "* ]]; }
 el(){ echo $(( $(date +%s) - T0 )); }
 log(){ echo "[$(el)s] $*"; }
 result(){ echo "$*" >> "$RES"; echo "$*"; }
@@ -34,11 +37,13 @@ print('python', platform.python_version(), *(f'{p} {v(p)}' for p in ('torch', 'r
 rev=$(git rev-parse --short HEAD 2>/dev/null) && { git diff --quiet HEAD 2>/dev/null || rev+=" + uncommitted changes"; }
 echo "ftflow at ${rev:-a commit this copy does not say (no .git)}"
 
+if want doctor; then
 log "ftflow doctor"; t1=$(date +%s)
 timeout -s INT -k 10 120 python3 -m flows.cli doctor --storage-root /tmp/art > "$O/doctor.txt" 2>&1; rc=$?
 quiet "$O/doctor.txt" | tail -30
 result "RESULT ftflow doctor: exit $rc$( ((rc == 124)) && echo ' (killed at 120 s)'), $(( $(date +%s) - t1 )) s"
 stop_ray
+fi
 
 [ -d /tmp/bert ] || python3 bench/gpu/make_model.py /tmp/bert bench/gpu/tok base | tail -1   # no weights fit in the carry
 log "model made"
@@ -49,7 +54,7 @@ STALL=(); grep -q "stall_warning_s" tasks/core/config.py && STALL=(--set train.s
 # runs), training's own train.timeout_s TRAIN_S. A working run: ~30-60 s of start-up, the epoch (~17 s of
 # compute on an H100 at batch 32), evaluation, batch inference of the test split and the report.
 ft(){ local name=$1 cap=$2 train_s=$3; shift 3
-  local t; t=$(allow "$cap" 90)
+  local t; t=$(allow "$cap" "$( want baselines && echo 90 || echo 30 )")
   if (( t < 60 )); then result "RESULT ftflow $name: skipped, $(( DEADLINE - $(el) )) s left"; return; fi
   (( train_s > t - 40 )) && train_s=$(( t - 40 ))
   log "ftflow $name: limit $t s, train.timeout_s=$train_s, $*"
@@ -66,18 +71,20 @@ ft(){ local name=$1 cap=$2 train_s=$3; shift 3
   fi
   result "$(python3 bench/gpu/summary.py "$name" "${run:-none}" "$rc" "$secs")"
   stop_ray; }
-ft default 200 120
-ft zero2-b256 170 100 --set train.zero_stage=2 --set train.batch_size=256
-ft zero3-b256 170 100 --set train.zero_stage=3 --set train.batch_size=256
+declare -A RUN=([default]="230 120" [zero2-b256]="170 100 --set train.zero_stage=2 --set train.batch_size=256"
+  [zero3-b256]="170 100 --set train.zero_stage=3 --set train.batch_size=256")
+for step in $STEPS; do [ -n "${RUN[$step]:-}" ] && ft "$step" ${RUN[$step]}; done
 
-t=$(allow 150 0); log "plain bf16 loop and HF Trainer, batches 32 and 256: limit $t s"
+if want baselines; then t=$(allow 150 0); log "plain bf16 loop and HF Trainer, batches 32 and 256: limit $t s"
 if (( t >= 30 )); then
   timeout -k 10 "$t" python3 bench/gpu/baselines.py /tmp/bert data/rotten_tomatoes/train.jsonl 32,256 > "$O/baselines.txt" 2>&1
   grep "^RESULT" "$O/baselines.txt" >> "$RES"; grep "^RESULT" "$O/baselines.txt" || tail -5 "$O/baselines.txt"
 else result "RESULT baselines: skipped, $(( DEADLINE - $(el) )) s left"; fi
+fi
 
 m=$(ls -td /tmp/art/runs/*/model 2>/dev/null | head -1); t=$(allow 100 30)
-if [ -z "$m" ]; then result "RESULT ftflow infer: skipped, no run exported a model"
+if ! want infer; then :
+elif [ -z "$m" ]; then result "RESULT ftflow infer: skipped, no run exported a model"
 elif (( t < 45 )); then result "RESULT ftflow infer: skipped, $(( DEADLINE - $(el) )) s left"
 else
   python3 bench/gpu/corpus.py data/rotten_tomatoes/train.jsonl /tmp/corpus 100000 16
@@ -92,3 +99,6 @@ fi
 
 log "summary, $CARD"
 awk -v card="$CARD" '{ sub(/^RESULT /, card " | "); print }' "$RES"
+# The run tool brings back at most 8 files: all but these two travel as one tarball.
+tar -czf /tmp/runs.tar.gz -C "$O" --exclude=./check.txt --exclude=./results.txt . \
+  && find "$O" -mindepth 1 ! -name check.txt ! -name results.txt -delete && mv /tmp/runs.tar.gz "$O/"
