@@ -1,7 +1,7 @@
 """The `ftflow` command's terminal: ftflow's own lines (each stage's start and end, what the stages
-report, warnings) and a live bar per stage; the rest of the process's output (Ray's workers,
-DeepSpeed, transformers, Prefect's engine and server, every subprocess) goes to a log file kept
-beside the run (runs/<id>/logs/).
+report, warnings) and a live bar per stage (without a terminal, a line of its progress every 30 s);
+the rest of the process's output (Ray's workers, DeepSpeed, transformers, Prefect's engine and
+server, every subprocess) goes to a log file kept beside the run (runs/<id>/logs/).
 
 The process's stdout and stderr file descriptors are pointed at the log file, not only Python's
 streams: Ray's and Prefect's subprocesses, C++ code and warnings print there too. The terminal is
@@ -11,6 +11,7 @@ written through a copy of the original descriptor.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import re
 import sys
@@ -34,6 +35,10 @@ PREFECT_CODE = str(Path(find_spec("prefect").origin).parent)
 RUN_LOGGERS = ("prefect.flow_runs", "prefect.task_runs")  # where a run's records go, whoever logs them
 ERRORS: Console | None = None  # once output is redirected: the terminal's stderr
 ESCAPE_CODE = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]")  # ANSI CSI: colours, cursor moves
+# Without a terminal (a pipe, a file, a CI log) there are no bars: a stage's progress is a line, its
+# first tick and then one every this many seconds. A GPU run piped to a file showed nothing for the
+# whole of its training (2026-11-27).
+PIPE_TICK_EVERY_S = 30.0
 
 
 class Say:
@@ -77,13 +82,17 @@ class Terminal(logging.Handler):
         super().__init__(logging.INFO)
         self.console, self.bars, self.run_dir = console, bars, None
         self.stage_bars: dict[str, TaskID] = {}
+        self.printed_at: dict[str, float] = {}  # without a terminal: when each stage's tick was last a line
 
     def emit(self, record: logging.LogRecord) -> None:
         if record.pathname.startswith(PREFECT_CODE):
             return
         self.run_dir = getattr(record, RUN_DIR, self.run_dir)
         if (tick := getattr(record, TICK, None)) is not None:
-            self.moved(tick)
+            if self.bars.disable:
+                self.printed(tick.stage, record.getMessage())
+            else:
+                self.moved(tick)
         elif (marks := getattr(record, STAGE, None)) is not None:
             event, stage = marks
             if event == "end" and (bar := self.stage_bars.get(stage)) is not None:
@@ -94,6 +103,12 @@ class Terminal(logging.Handler):
         else:
             style = {logging.WARNING: "yellow", logging.ERROR: "red"}.get(record.levelno, "dim")
             self.console.print(Text(f"  {plain(record.getMessage())}", style=style))
+
+    def printed(self, stage: str, text: str) -> None:
+        now = time.monotonic()
+        if now - self.printed_at.get(stage, -math.inf) >= PIPE_TICK_EVERY_S:
+            self.printed_at[stage] = now
+            self.console.print(Text(f"  {plain(text)}", style="dim"))
 
     def moved(self, tick: Tick) -> None:
         if tick.stage not in self.stage_bars:

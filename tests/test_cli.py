@@ -209,6 +209,9 @@ def test_a_run_shows_its_stages_on_a_quiet_console_then_its_champion_labels_a_co
     ], run.stdout
     [run_dir] = (store / "runs").iterdir()
     assert f"artifacts:     {run_dir}" in lines
+    assert any(re.fullmatch(r"  train: \d+ / 64 steps, .* samples/s", line) for line in lines), (
+        run.stdout
+    )  # no bar on a pipe
     [log] = (run_dir / "logs").iterdir()
     assert re.search(r"Finished in state Completed", log.read_text()) and "train: 60 / 64 steps" in log.read_text()
 
