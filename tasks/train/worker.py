@@ -53,10 +53,9 @@ class Meter:
 
     def add(self, loss: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor) -> None:
         real = labels != IGNORED
-        rows = real.sum().double()
-        self.sums += torch.stack(
-            [loss.detach().double() * rows, (logits.detach().argmax(-1) == labels)[real].sum().double(), rows]
-        )
+        rows, right = real.sum().double(), ((logits.detach().argmax(-1) == labels) & real).sum().double()
+        # Not `[real]`: a boolean index sizes its result on the host, a device sync per micro-batch.
+        self.sums += torch.stack([loss.detach().double() * rows, right, rows])
 
     def point(self, step: int, epoch: float) -> Point:
         dist.all_reduce(self.sums)
