@@ -11,9 +11,23 @@ from __future__ import annotations
 
 import re
 
+from pydantic import BaseModel
+
 from tasks.core import storage
 
 CHAMPION_REF = re.compile(r"^models/(?P<name>[^/]+)@champion$")
+
+
+class Champion(BaseModel):
+    """A registry entry's pointer record: the champion's model and its score at its promotion."""
+
+    model_uri: str
+    run_id: str
+    metric: str
+    value: float
+    test_sha256: str | None = None  # the test split it scored on (absent in pointers of older runs)
+    test_reading: dict | None = None  # how those bytes were read into rows
+    promoted_at: str
 
 
 def resolve(model_uri: str, root: str) -> str:
@@ -28,4 +42,4 @@ def resolve(model_uri: str, root: str) -> str:
             f"champion yet (no {pointer}): a finetune run with promotion.model_name='{match['name']}' and this "
             "storage_root promotes one"
         )
-    return storage.read_json(pointer)["model_uri"]
+    return Champion.model_validate(storage.read_json(pointer)).model_uri

@@ -30,6 +30,7 @@ from tasks.core.data import Split
 from tasks.core.retries import RETRY_TRANSIENT
 from tasks.core.storage import RunStore
 from tasks.evaluate.driver import Metrics, metrics_of, score
+from tasks.promote.registry import Champion
 
 
 def reading(split: Split) -> dict:
@@ -37,20 +38,16 @@ def reading(split: Split) -> dict:
     return json.loads(json.dumps(dataclasses.asdict(split.schema)))
 
 
-def champions_score(current: dict, test: Split, metric: str, ray_address: str | None) -> float:
+def champions_score(current: Champion, test: Split, metric: str, ray_address: str | None) -> float:
     """The champion's metric on this test split: as recorded at its promotion when that was on these
     very rows (same bytes, read the same way; the main job's re-score took 4.4 s of model start and
     prediction), else scored again."""
-    if (current.get("test_sha256"), current.get("test_reading"), current["metric"]) == (
-        test.sha256,
-        reading(test),
-        metric,
-    ):
-        return current["value"]
+    if (current.test_sha256, current.test_reading, current.metric) == (test.sha256, reading(test), metric):
+        return current.value
     # The default batch size: it sets the speed, not the labels.
     batch_size = InferenceConfig().batch_size
     scored = jobs.run(
-        score, ray_address, get_run_logger(), model_uri=current["model_uri"], test=test, batch_size=batch_size
+        score, ray_address, get_run_logger(), model_uri=current.model_uri, test=test, batch_size=batch_size
     )
     return getattr(scored, metric)
 
@@ -98,7 +95,8 @@ def promote(
     good as the champion on the test split."""
     model_uri, run_id, root = store.model_dir, store.run_id, store.root
     pointer = storage.StorageRoot(root).champion(cfg.model_name)
-    current, version = storage.read_versioned_json(pointer)
+    record, version = storage.read_versioned_json(pointer)
+    current = Champion.model_validate(record) if record is not None else None
     challenger, (least, reaching_is_enough, floor_words) = getattr(metrics, cfg.metric), floor(metrics, cfg)
     champion = None
     if challenger < least or (challenger == least and not reaching_is_enough):
@@ -112,21 +110,21 @@ def promote(
             f"{cfg.metric} {challenger:.4f} {'>=' if promoted else '<'} the champion's {champion:.4f} "
             f"+ margin {cfg.margin:g}, on the same test split"
         )
-    record = {
-        "model_uri": model_uri,
-        "run_id": run_id,
-        "metric": cfg.metric,
-        "value": challenger,
-        "test_sha256": test.sha256,
-        "test_reading": reading(test),
-        "promoted_at": datetime.now(UTC).isoformat(),
-    }
-    if promoted and not storage.swap_json(pointer, version, record):
-        winner = storage.read_json(pointer)
+    new = Champion(
+        model_uri=model_uri,
+        run_id=run_id,
+        metric=cfg.metric,
+        value=challenger,
+        test_sha256=test.sha256,
+        test_reading=reading(test),
+        promoted_at=datetime.now(UTC).isoformat(),
+    )
+    if promoted and not storage.swap_json(pointer, version, new.model_dump(mode="json")):
+        winner = Champion.model_validate(storage.read_json(pointer))
         promoted = False
         why = (
-            f"{why}, but while this run compared, run {winner['run_id']} made {winner['model_uri']} the champion "
-            f"({winner['metric']} {winner['value']:.4f}); the next run compares with it"
+            f"{why}, but while this run compared, run {winner.run_id} made {winner.model_uri} the champion "
+            f"({winner.metric} {winner.value:.4f}); the next run compares with it"
         )
     if promoted:  # for what a promotion triggers (deployments/definitions.py): labelling with the new champion
         events.promoted(
@@ -146,7 +144,7 @@ def promote(
         metric=cfg.metric,
         challenger=challenger,
         champion=champion,
-        previous_champion_uri=current["model_uri"] if current else None,
+        previous_champion_uri=current.model_uri if current else None,
         pointer=pointer,
     )
     get_run_logger().info("%s (%s)", verdict(decision).replace("`", ""), why)
