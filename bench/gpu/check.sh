@@ -91,6 +91,8 @@ if (( t >= 90 )); then
     nvidia-smi dmon -s u -c 20 > "$O/profile/dmon.txt" 2>&1 & dmon=$!
     py-spy record -p "$worker" -d 20 -r 100 -f speedscope -o "$O/profile/worker.speedscope.json" > "$O/profile/record.txt" 2>&1
     py-spy dump -p "$worker" > "$O/profile/dump.txt" 2>&1; wait $dmon
+    python3 bench/gpu/profile_top.py "$O/profile/worker.speedscope.json" 40 > "$O/profile/top.txt" 2>&1
+    head -60 "$O/profile/top.txt"
     result "RESULT profile: GPU utilisation over 20 s of steps: $(awk '$1 ~ /^[0-9]+$/ { s += $2; n++ } END { if (n) printf "%.0f%% (mean of %d samples)", s / n, n; else print "-" }' "$O/profile/dmon.txt")"
   else result "RESULT profile: no training worker was found"; fi
   kill -INT $run_pid 2>/dev/null; wait $run_pid 2>/dev/null; stop_ray
