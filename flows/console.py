@@ -88,11 +88,11 @@ class Terminal(logging.Handler):
         if record.pathname.startswith(PREFECT_CODE):
             return
         self.run_dir = getattr(record, RUN_DIR, self.run_dir)
-        if (tick := getattr(record, TICK, None)) is not None:
-            if self.bars.disable:
-                self.printed(tick.stage, record.getMessage())
-            else:
-                self.moved(tick)
+        tick = getattr(record, TICK, None)
+        if tick is not None and not self.bars.disable:
+            self.moved(tick)
+        elif tick is not None and not self.due(tick.stage):
+            return  # without a terminal a tick is a line below, at most every PIPE_TICK_EVERY_S
         elif (marks := getattr(record, STAGE, None)) is not None:
             event, stage = marks
             if event == "end" and (bar := self.stage_bars.get(stage)) is not None:
@@ -104,11 +104,12 @@ class Terminal(logging.Handler):
             style = {logging.WARNING: "yellow", logging.ERROR: "red"}.get(record.levelno, "dim")
             self.console.print(Text(f"  {plain(record.getMessage())}", style=style))
 
-    def printed(self, stage: str, text: str) -> None:
+    def due(self, stage: str) -> bool:
         now = time.monotonic()
-        if now - self.printed_at.get(stage, -math.inf) >= PIPE_TICK_EVERY_S:
-            self.printed_at[stage] = now
-            self.console.print(Text(f"  {plain(text)}", style="dim"))
+        if now - self.printed_at.get(stage, -math.inf) < PIPE_TICK_EVERY_S:
+            return False
+        self.printed_at[stage] = now
+        return True
 
     def moved(self, tick: Tick) -> None:
         if tick.stage not in self.stage_bars:
