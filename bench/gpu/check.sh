@@ -51,6 +51,7 @@ log "model made"
 
 # A stall report (every worker's stack, the GPUs) under the run's stall/ when no step shows for 45 s.
 STALL=(); grep -q "stall_warning_s" tasks/core/config.py && STALL=(--set train.stall_warning_s=45)
+FTFLOW_RUN=(python3 -m flows.cli run --set model.name_or_path=/tmp/bert --set storage_root=/tmp/art)  # every run's
 # ftflow run NAME CAP TRAIN_S ARGS...: the run's limit is CAP (keeping 90 s for the baselines after the
 # runs), training's own train.timeout_s TRAIN_S. A working run: ~30-60 s of start-up, the epoch (~17 s of
 # compute on an H100 at batch 32), evaluation, batch inference of the test split and the report.
@@ -60,8 +61,7 @@ ft(){ local name=$1 cap=$2 train_s=$3; shift 3
   (( train_s > t - 40 )) && train_s=$(( t - 40 ))
   log "ftflow $name: limit $t s, train.timeout_s=$train_s, $*"
   touch "$O/.mark"; local t1; t1=$(date +%s)
-  timeout -s INT -k 15 "$t" python3 -m flows.cli run --set model.name_or_path=/tmp/bert --set storage_root=/tmp/art \
-    --set train.timeout_s="$train_s" "${STALL[@]}" "$@" > "$O/$name.txt" 2>&1
+  timeout -s INT -k 15 "$t" "${FTFLOW_RUN[@]}" --set train.timeout_s="$train_s" "${STALL[@]}" "$@" > "$O/$name.txt" 2>&1
   local rc=$? secs=$(( $(date +%s) - t1 ))
   log "$name: exit $rc after $secs s"; quiet "$O/$name.txt" | tail -12
   local run; run=$(find /tmp/art/runs -mindepth 1 -maxdepth 1 -type d -newer "$O/.mark" 2>/dev/null | head -1)
@@ -82,8 +82,7 @@ for step in $STEPS; do [ -n "${RUN[$step]:-}" ] && ft "$step" ${RUN[$step]}; don
 if want profile; then t=$(allow 150 30)
 if (( t >= 90 )); then
   log "profile: limit $t s"; mkdir -p "$O/profile"
-  timeout -s INT -k 15 "$t" python3 -m flows.cli run --set model.name_or_path=/tmp/bert --set storage_root=/tmp/art \
-    --set train.epochs=2 > "$O/profile.txt" 2>&1 & run_pid=$!
+  timeout -s INT -k 15 "$t" "${FTFLOW_RUN[@]}" --set train.epochs=2 > "$O/profile.txt" 2>&1 & run_pid=$!
   until grep -q "^  train: " "$O/profile.txt" 2>/dev/null || ! kill -0 $run_pid 2>/dev/null; do sleep 1; done
   worker=$(pgrep -f "ray::RayTrainWorker" | head -1)
   if [ -n "$worker" ]; then

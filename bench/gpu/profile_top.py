@@ -1,6 +1,6 @@
 """Where a training worker's time goes, from check.sh's py-spy speedscope file: each thread's active
 samples, then the training thread's functions by the share of its samples they are on the stack of
-(inclusive), the ones under ftflow, DeepSpeed, torch and Ray Data first among equals.
+(inclusive).
     python3 bench/gpu/profile_top.py profile/worker.speedscope.json [HOW_MANY]"""
 
 import json
