@@ -49,6 +49,11 @@ fi
 [ -d /tmp/bert ] || python3 bench/gpu/make_model.py /tmp/bert bench/gpu/tok base | tail -1   # no weights fit in the carry
 log "model made"
 
+if want sdpa; then t=$(allow 60 0); log "sdpa: what a new sequence length costs each attention backend: limit $t s"
+  timeout -k 5 "$t" python3 bench/gpu/sdpa_shapes.py /tmp/bert 256 > "$O/sdpa.txt" 2>&1
+  grep "^RESULT" "$O/sdpa.txt" >> "$RES"; grep "^RESULT" "$O/sdpa.txt" || tail -5 "$O/sdpa.txt"
+fi
+
 # A stall report (every worker's stack, the GPUs) under the run's stall/ when no step shows for 45 s.
 STALL=(); grep -q "stall_warning_s" tasks/core/config.py && STALL=(--set train.stall_warning_s=45)
 FTFLOW_RUN=(python3 -m flows.cli run --set model.name_or_path=/tmp/bert --set storage_root=/tmp/art)  # every run's
@@ -79,10 +84,11 @@ for step in $STEPS; do [ -n "${RUN[$step]:-}" ] && ft "$step" ${RUN[$step]}; don
 # profile: where a training step's time goes. ftflow at its defaults for 2 epochs; once its first
 # progress line shows, py-spy samples the training worker for 20 s (every thread, as a speedscope
 # file and as one text dump) beside `nvidia-smi dmon` (the GPU's utilisation per second).
+# PROFILE_ARGS replaces the run's settings: PROFILE_ARGS="--set train.epochs=3 --set train.batch_size=256".
 if want profile; then t=$(allow 150 30)
 if (( t >= 90 )); then
   log "profile: limit $t s"; mkdir -p "$O/profile"
-  timeout -s INT -k 15 "$t" "${FTFLOW_RUN[@]}" --set train.epochs=2 > "$O/profile.txt" 2>&1 & run_pid=$!
+  timeout -s INT -k 15 "$t" "${FTFLOW_RUN[@]}" ${PROFILE_ARGS:---set train.epochs=2} > "$O/profile.txt" 2>&1 & run_pid=$!
   until grep -q "^  train: " "$O/profile.txt" 2>/dev/null || ! kill -0 $run_pid 2>/dev/null; do sleep 1; done
   worker=$(pgrep -f "ray::RayTrainWorker" | head -1)
   if [ -n "$worker" ]; then
@@ -91,16 +97,16 @@ if (( t >= 90 )); then
     py-spy record -p "$worker" -d 20 -r 100 -f speedscope -o "$O/profile/worker.speedscope.json" > "$O/profile/record.txt" 2>&1
     py-spy dump -p "$worker" > "$O/profile/dump.txt" 2>&1; wait $dmon
     python3 bench/gpu/profile_top.py "$O/profile/worker.speedscope.json" 40 > "$O/profile/top.txt" 2>&1
-    head -60 "$O/profile/top.txt"
+    head -100 "$O/profile/top.txt"
     result "RESULT profile: GPU utilisation over 20 s of steps: $(awk '$1 ~ /^[0-9]+$/ { s += $2; n++ } END { if (n) printf "%.0f%% (mean of %d samples)", s / n, n; else print "-" }' "$O/profile/dmon.txt")"
   else result "RESULT profile: no training worker was found"; fi
   kill -INT $run_pid 2>/dev/null; wait $run_pid 2>/dev/null; stop_ray
 else result "RESULT profile: skipped, $(( DEADLINE - $(el) )) s left"; fi
 fi
 
-if want baselines; then t=$(allow 150 0); log "plain bf16 loop and HF Trainer, batches 32 and 256: limit $t s"
+if want baselines; then t=$(allow 150 0); log "plain bf16 loop and HF Trainer, batches ${BASELINE_BATCHES:-32,256}: limit $t s"
 if (( t >= 30 )); then
-  timeout -k 10 "$t" python3 bench/gpu/baselines.py /tmp/bert data/rotten_tomatoes/train.jsonl 32,256 > "$O/baselines.txt" 2>&1
+  timeout -k 10 "$t" python3 bench/gpu/baselines.py /tmp/bert data/rotten_tomatoes/train.jsonl "${BASELINE_BATCHES:-32,256}" > "$O/baselines.txt" 2>&1
   grep "^RESULT" "$O/baselines.txt" >> "$RES"; grep "^RESULT" "$O/baselines.txt" || tail -5 "$O/baselines.txt"
 else result "RESULT baselines: skipped, $(( DEADLINE - $(el) )) s left"; fi
 fi

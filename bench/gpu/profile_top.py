@@ -28,3 +28,14 @@ for index, weight in inclusive.most_common(how_many):
     frame = frames[index]
     where = "/".join(Path(frame.get("file") or "?").parts[-2:])
     print(f"  {weight / total:6.1%}  {frame['name']} ({where}:{frame.get('line')})")
+# Self: the innermost Python frame of each sample, where a wait on the device (.item(), .tolist(), a
+# synchronize) or a host loop shows itself.
+innermost: Counter[int] = Counter()
+for stack, weight in zip(training["samples"], training["weights"], strict=True):
+    if stack:
+        innermost[stack[-1]] += weight
+print(f"the training thread's innermost frames, by share of its {total:.0f} samples")
+for index, weight in innermost.most_common(how_many):
+    frame = frames[index]
+    where = "/".join(Path(frame.get("file") or "?").parts[-2:])
+    print(f"  {weight / total:6.1%}  {frame['name']} ({where}:{frame.get('line')})")

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
+from tasks.core.attention import without_cudnn_attention
 from tasks.core.first_token import last_layer_at_first_token
 from tasks.core.text import local_model, padded, truncating
 
@@ -25,6 +26,7 @@ class Predictor:
         if threads:
             torch.set_num_threads(threads)
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        without_cudnn_attention()
         dtype = (
             torch.bfloat16
             if precision == "bf16" or (precision == "auto" and self.device.type == "cuda")

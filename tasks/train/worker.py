@@ -32,6 +32,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer, set_
 from transformers.integrations.deepspeed import HfDeepSpeedConfig
 
 from tasks.core import storage
+from tasks.core.attention import without_cudnn_attention
 from tasks.core.config import hub_free
 from tasks.core.first_token import last_layer_at_first_token
 from tasks.core.progress import NAMESPACE, Tick, post, say
@@ -249,6 +250,7 @@ def setup(spec: WorkerSpec, pulse: Pulse) -> tuple:
     # Python loop) is single-threaded, and offloaded optimizer state steps on cpus_per_worker threads.
     torch.set_num_threads(max(1, int(spec.plan.cpus_per_worker)))
     device = ray.train.torch.get_device()
+    without_cudnn_attention()
     spec = resolve_precision(spec, device)
     pulse("joining the process group")
     join_process_group(device, spec.train.collective_timeout_s)
