@@ -127,8 +127,9 @@ def test_bf16_on_cpu_labels_every_row_within_rounding_of_fp32(ray_cluster, tiny_
     assert (rounded["label"] == exact["label"])[exact["score"] > 0.52].all()  # labels change only near ties
 
 
-def test_a_million_rows_over_many_files_get_one_prediction_each(ray_cluster, tiny_model, tmp_path):
-    files, per_file = 100, 10_000
+def test_every_row_of_a_hundred_files_gets_one_prediction(ray_cluster, tiny_model, tmp_path):
+    # 100,000 rows: a million (bench/inference.py's size) took 59 s of the suite and proved nothing more.
+    files, per_file = 100, 1_000
     for f in range(files):
         ids = range(f * per_file, (f + 1) * per_file)
         write_jsonl(
