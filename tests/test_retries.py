@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 from botocore.exceptions import EndpointConnectionError
 from prefect.task_engine import TaskRunTimeoutError
+from ray.exceptions import GetTimeoutError
 from ray.train.v2.api.exceptions import WorkerGroupError
 
 from tasks.core.data import DataError
@@ -14,6 +15,12 @@ from tasks.core.retries import transient
 
 def caused_by(cause: BaseException, error: BaseException) -> BaseException:
     error.__cause__ = cause
+    return error
+
+
+def raised_from_none(handled: BaseException, error: BaseException) -> BaseException:
+    """`raise error from None` while handling `handled`."""
+    error.__context__, error.__suppress_context__ = handled, True
     return error
 
 
@@ -42,6 +49,10 @@ def test_a_transient_failure_is_retried(error):
         FileNotFoundError(2, "No such file or directory", "corpus/500.jsonl"),
         TaskRunTimeoutError("Scope timed out after 10 second(s)."),
         caused_by(ConnectionResetError(), WorkerGroupError("training failed", {})),
+        raised_from_none(
+            GetTimeoutError("Timed out while starting actors."),
+            RuntimeError("the Ray cluster did not start 1 inference actor(s) ... within wait_for_actors_s=10"),
+        ),
         RuntimeError("a bug"),
         None,
     ],

@@ -55,7 +55,10 @@ def transient(error: BaseException | None) -> bool:
             isinstance(error, OSError) and any(w in str(error) for w in TRANSIENT_WORDS)
         ):
             return True
-        error = error.__cause__ or error.__context__
+        # `raise ... from None` says the error being handled is not the cause: the wait for inference
+        # actors, raised so over Ray's GetTimeoutError (a TimeoutError), was tried 4 times, and a
+        # wait_for_actors_s of 10 s took 70 s to fail.
+        error = error.__cause__ or (None if error.__suppress_context__ else error.__context__)
     return False
 
 
