@@ -6,8 +6,6 @@ import json
 import logging
 import math
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import ray
@@ -26,7 +24,6 @@ READ_CPUS = 0.25
 # declares one CPU more than the machine has: that CPU's work (reading Parquet, shuffling token ids)
 # is light beside a model's.
 DATA_CPUS = 1
-RAY_API_SERVER = ray_constants.RAY_API_SERVER_ADDRESS_ENVIRONMENT_VARIABLE
 
 
 def jobs_api(address: str | None) -> str | None:
@@ -57,13 +54,12 @@ def connect(address: str | None = None) -> None:
         logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
         # "local": a plain ray.init() joins the last `ray start` cluster on this machine, and hangs
         # when that one has stopped (its address file outlives it).
-        with no_state_api():
-            ray.init(
-                address="local",
-                num_cpus=(os.cpu_count() or 1) + DATA_CPUS,
-                include_dashboard=False,
-                configure_logging=False,
-            )
+        ray.init(
+            address="local",
+            num_cpus=(os.cpu_count() or 1) + DATA_CPUS,
+            include_dashboard=False,
+            configure_logging=False,
+        )
         return
     try:
         ray.init(address=address)
@@ -74,28 +70,6 @@ def connect(address: str | None = None) -> None:
             f"the Ray cluster at {address} refused this driver's token (or its lack of one): set "
             "RAY_AUTH_MODE=token and RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH to the cluster's token"
         ) from None
-
-
-@contextmanager
-def no_state_api() -> Iterator[None]:
-    """While a local Ray without a dashboard starts: its processes learn that no state API answers.
-
-    Ray Train's placement-group cleaner (Ray 2.60) asks Ray's state API every second whether the
-    training controller still lives; the API is the dashboard's. Not told where it is, a process looks
-    for a cluster on this machine for 40 s per ask, and the cleaner's stop at the end of every fit()
-    waited out its 12 s timeout: a 2-worker fit of nothing took 31-35 s, 18-21 s with this. An address
-    where nothing listens fails each ask at once (the cleaner says so in the log and goes on). Only
-    Ray's processes get it, inheriting it as they start: in this process the variable would also
-    redirect a JobSubmissionClient's own address.
-    """
-    if RAY_API_SERVER in os.environ:
-        yield
-        return
-    os.environ[RAY_API_SERVER] = "http://127.0.0.1:9"  # the discard port: no server listens there
-    try:
-        yield
-    finally:
-        del os.environ[RAY_API_SERVER]
 
 
 def refuse_local_paths(paths: dict[str, list[str]], shared: bool, address: str | None) -> None:

@@ -15,7 +15,7 @@ from typing import Literal, TypeVar
 import ray
 from pydantic import BaseModel
 from ray.train import RunConfig, ScalingConfig, WorkerGroupError
-from ray.train.torch import TorchConfig, TorchTrainer
+from ray.train.torch import TorchConfig
 from ray.util.queue import Queue
 
 from tasks.core import cluster, jobs, storage
@@ -193,7 +193,7 @@ def step_checks() -> list[Check]:
         model_uri="",
     )  # nothing is exported
     reports = Queue(actor_options={"num_cpus": 0})  # Ray Train returns nothing of the workers'
-    trainer = TorchTrainer(
+    trainer = train.Trainer(
         one_step,
         train_loop_config={"spec": spec.model_dump(), "reports": reports},
         scaling_config=ScalingConfig(

@@ -24,6 +24,7 @@ from ray.train import (
     WorkerGroupError,
 )
 from ray.train.torch import TorchConfig, TorchTrainer
+from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
 from ray.train.v2._internal.constants import HEALTH_CHECK_INTERVAL_S_ENV_VAR, WORKER_GROUP_START_TIMEOUT_S_ENV_VAR
 from ray.train.v2._internal.exceptions import WorkerGroupStartupTimeoutError
 from transformers import AutoConfig
@@ -301,6 +302,25 @@ def worker_exception(error: WorkerGroupError) -> BaseException:
     return exception
 
 
+class Trainer(TorchTrainer):
+    """Ray Train's TorchTrainer, without its placement-group cleaner on a cluster with no dashboard (the
+    local Ray ftflow starts).
+
+    The cleaner (Ray 2.60) asks the dashboard's state API every second whether the training controller
+    lives, to remove its placement group if it died. With no dashboard it can never know: each ask
+    searched this machine's Ray processes for 40 s, and its stop at the end of every fit() waited out
+    its 12 s timeout (bench/local_fit.py). On the local Ray, ftflow's reaper (tasks/core/reaper.py)
+    ends the whole Ray with its driver, placement groups included. Ray Train has no option to leave
+    the cleaner out, hence this override of its default callbacks.
+    """
+
+    def _create_default_callbacks(self) -> list:
+        callbacks = super()._create_default_callbacks()
+        if ray._private.worker.get_dashboard_url():
+            return callbacks
+        return [callback for callback in callbacks if not isinstance(callback, PlacementGroupCleanerCallback)]
+
+
 def data_config() -> DataConfig:
     """Ray Train's ingest with the blocks kept in order, so that the split each worker gets, and so
     the order of every epoch, follows from the seed alone (Ray hands blocks out as they come)."""
@@ -361,7 +381,7 @@ def fit(
     fault = Fault.model_validate_json(os.environ[FAULT]).model_dump() if os.environ.get(FAULT) else None
     # The workers' ticks, lines and heartbeats, while training runs; a stall is reported under the run.
     with relayed(logger, Watchdog(logger, store.stall, cfg.stall_warning_s)) as channel:
-        trainer = TorchTrainer(
+        trainer = Trainer(
             train_worker,
             train_loop_config={
                 "spec": spec.model_dump(),
