@@ -190,6 +190,14 @@ def run_batch_infer(
     return batch_infer(params, return_state=return_state)
 
 
+def session_prefect() -> dict[str, str]:
+    """The environment that points a command a test starts at the test session's Prefect server, as a
+    team's commands share theirs: on its own, each would start Prefect's temporary server (~10 s here)."""
+    from prefect.settings import PREFECT_API_URL
+
+    return {"PREFECT_API_URL": PREFECT_API_URL.value()}
+
+
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().split("\n") if line]
 

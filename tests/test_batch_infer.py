@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -13,7 +14,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import BATCH_INFER, run_batch_infer, write_jsonl
+from conftest import BATCH_INFER, run_batch_infer, session_prefect, write_jsonl
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, LogFilter, LogFilterFlowRunId
 
@@ -181,6 +182,7 @@ def test_a_job_killed_mid_way_and_run_again_labels_every_row_once(ray_stopped, t
     driver = subprocess.Popen(
         [sys.executable, "-c", f"{BATCH_INFER}, id_column='doc'))", *job],
         cwd=Path(__file__).parents[1],
+        env={**os.environ, **session_prefect()},
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )

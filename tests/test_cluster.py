@@ -19,7 +19,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import BATCH_INFER, BUCKET, FTFLOW, free_port, write_jsonl
+from conftest import BATCH_INFER, BUCKET, FTFLOW, free_port, session_prefect, write_jsonl
 from ray.job_submission import JobStatus, JobSubmissionClient, JobType
 from test_flow import check_run, params
 
@@ -146,7 +146,7 @@ def test_finetune_from_outside_the_cluster_as_ray_jobs(tiny_model, s3_data, tmp_
         run = subprocess.run(
             [FTFLOW, "run", "--verbose", "--params", str(config)],
             cwd=ROOT,
-            env={**secured, "RAY_ADDRESS": url},
+            env={**secured, "RAY_ADDRESS": url, **session_prefect()},
             capture_output=True,
             text=True,
             timeout=900,
@@ -163,7 +163,7 @@ def test_finetune_from_outside_the_cluster_as_ray_jobs(tiny_model, s3_data, tmp_
                 f"s3://{BUCKET}/never",
             ],
             cwd=ROOT,
-            env={**secured, "RAY_ADDRESS": url},
+            env={**secured, "RAY_ADDRESS": url, **session_prefect()},
             capture_output=True,
             text=True,
             timeout=300,
@@ -178,7 +178,7 @@ def test_finetune_from_outside_the_cluster_as_ray_jobs(tiny_model, s3_data, tmp_
         cancelled = subprocess.Popen(
             [FTFLOW, "run", "--verbose", "--params", str(config)],
             cwd=ROOT,
-            env={**secured, "RAY_ADDRESS": url},
+            env={**secured, "RAY_ADDRESS": url, **session_prefect()},
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
@@ -351,7 +351,7 @@ def test_finetune_on_a_token_secured_cluster_that_grows_and_shrinks(tiny_model, 
         "--autoscaling-config",
         str(autoscaling_config(port, tmp_path / "cluster.json")),
     )
-    driver = {**secured, "RAY_ADDRESS": f"127.0.0.1:{port}"}
+    driver = {**secured, "RAY_ADDRESS": f"127.0.0.1:{port}", **session_prefect()}
 
     def finetune(root: str, **train: object) -> subprocess.CompletedProcess:
         config = tmp_path / "params.json"

@@ -14,6 +14,7 @@ from pathlib import Path
 import psutil
 import pyarrow.parquet as pq
 import pytest
+import ray
 from conftest import BUCKET, FTFLOW, S3_KEY, S3_SECRET, write_jsonl
 from PIL import Image
 from prefect.client.orchestration import get_client
@@ -196,7 +197,8 @@ def test_finetune_on_s3_survives_faults_and_leaks_no_credential(faulty_s3, tiny_
         )
         flow_run = client.read_flow_run(state.state_details.flow_run_id)
     console = capfd.readouterr()
-    ray_logs = {str(f): f.read_bytes() for f in Path("/tmp/ray/session_latest/logs").rglob("*") if f.is_file()}
+    session = Path(ray._private.worker.global_worker.node.get_session_dir_path())  # this run's Ray, not the latest
+    ray_logs = {str(f): f.read_bytes() for f in (session / "logs").rglob("*") if f.is_file()}
     places = {
         **stored,
         **ray_logs,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import re
@@ -143,6 +144,17 @@ def test_exported_model_predicts_like_the_engine_at_end_of_training(strategy, to
         )
 
 
+def ray_train_workers() -> list[psutil.Process]:
+    """This test session's training workers (its Ray's processes descend from it), not those of any
+    other Ray on the machine."""
+    workers = []
+    for process in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):  # ended meanwhile
+            if "RayTrainWorker" in " ".join(process.cmdline()):
+                workers.append(process)
+    return workers
+
+
 def kill_a_worker_once_a_checkpoint_is_committed(
     run_dir: Path, killed: list[int], stop: threading.Event, run: str = "."
 ) -> None:
@@ -152,9 +164,7 @@ def kill_a_worker_once_a_checkpoint_is_committed(
     while not stop.is_set():
         snapshot = next(run_dir.glob(f"{run}/train/ray/checkpoint_manager_snapshot.json"), None)
         if snapshot and "checkpoint_dir_name" in snapshot.read_text():
-            workers = [
-                p for p in psutil.process_iter(["cmdline"]) if "RayTrainWorker" in " ".join(p.info["cmdline"] or [])
-            ]
+            workers = ray_train_workers()
             if workers:
                 workers[-1].kill()
                 killed.append(workers[-1].pid)
