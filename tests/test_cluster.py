@@ -130,6 +130,7 @@ def test_finetune_from_outside_the_cluster_as_ray_jobs(tiny_model, s3_data, tmp_
     # The head's environment is the cluster's: its S3 credentials, and the `python` that runs a job.
     secured = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token, "PATH": f"{BIN}:{os.environ['PATH']}"}
     head = start_ray_head(port, secured, dashboard=dashboard)
+    driver = {**secured, "RAY_ADDRESS": url, **session_prefect()}  # ftflow's commands, from outside the cluster
     try:
         job_api_ready(url, token)
         with pytest.raises(
@@ -146,7 +147,7 @@ def test_finetune_from_outside_the_cluster_as_ray_jobs(tiny_model, s3_data, tmp_
         run = subprocess.run(
             [FTFLOW, "run", "--verbose", "--params", str(config)],
             cwd=ROOT,
-            env={**secured, "RAY_ADDRESS": url, **session_prefect()},
+            env=driver,
             capture_output=True,
             text=True,
             timeout=900,
@@ -163,7 +164,7 @@ def test_finetune_from_outside_the_cluster_as_ray_jobs(tiny_model, s3_data, tmp_
                 f"s3://{BUCKET}/never",
             ],
             cwd=ROOT,
-            env={**secured, "RAY_ADDRESS": url, **session_prefect()},
+            env=driver,
             capture_output=True,
             text=True,
             timeout=300,
@@ -178,7 +179,7 @@ def test_finetune_from_outside_the_cluster_as_ray_jobs(tiny_model, s3_data, tmp_
         cancelled = subprocess.Popen(
             [FTFLOW, "run", "--verbose", "--params", str(config)],
             cwd=ROOT,
-            env={**secured, "RAY_ADDRESS": url, **session_prefect()},
+            env=driver,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
