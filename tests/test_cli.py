@@ -8,8 +8,10 @@ import re
 import socket
 import subprocess
 import threading
+import time
 from pathlib import Path
 
+import psutil
 import pyarrow.parquet as pq
 import pytest
 import yaml
@@ -18,14 +20,22 @@ from test_flow import params
 
 from flows import console
 from tasks.core.config import SHIPPED_DATA, BatchInferParams, FinetuneParams
+from tasks.core.storage import read_json
+from tasks.train.contract import Fault
+from tasks.train.driver import FAULT
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def ftflow_env(**env: str) -> dict[str, str]:
+    """The driver's own Prefect server and Ray, as from a terminal: none of the test session's."""
+    return {key: value for key, value in os.environ.items() if not key.startswith(("PREFECT_API", "RAY_ADDRESS"))} | env
+
+
 def ftflow(*args: str, timeout: float = 60, **env: str) -> subprocess.CompletedProcess:
-    # The driver's own Prefect server and Ray, as from a terminal: none of the test session's.
-    env = {key: value for key, value in os.environ.items() if not key.startswith(("PREFECT_API", "RAY_ADDRESS"))} | env
-    return subprocess.run([FTFLOW, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [FTFLOW, *args], cwd=ROOT, env=ftflow_env(**env), capture_output=True, text=True, timeout=timeout
+    )
 
 
 @pytest.fixture
@@ -178,28 +188,48 @@ def test_help_shows_every_field_with_its_description_and_params_writes_the_defau
     assert "# DeepSpeed ZeRO: 0 replicates the model" in written.stdout
 
 
-def test_a_run_shows_its_stages_on_a_quiet_console_then_its_champion_labels_a_corpus(
+def killed_once_a_checkpoint_is_committed(args: list[str], run_dir: Path, **env: str) -> None:
+    """`ftflow <args>` SIGKILLed once its first checkpoint is committed (its rank 0 then hangs at step 15,
+    so that the kill lands in training): within 60 s none of its processes (its Prefect server, its
+    Ray's, the watcher) is left."""
+    fault = {FAULT: Fault(step=15, rank=0, hang_s=120).model_dump_json()}
+    driver = subprocess.Popen(
+        [FTFLOW, *args], cwd=ROOT, env=ftflow_env(**env, **fault), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    snapshot = run_dir / "train" / "ray" / "checkpoint_manager_snapshot.json"
+    deadline = time.monotonic() + 300
+    while not (snapshot.exists() and "checkpoint_dir_name" in snapshot.read_text()):
+        assert driver.poll() is None and time.monotonic() < deadline, (
+            "the run ended or took too long before its first checkpoint"
+        )
+        time.sleep(0.1)
+    started = psutil.Process(driver.pid).children(recursive=True)
+    assert any("raylet" in " ".join(p.cmdline()) for p in started) and any(
+        "uvicorn" in " ".join(p.cmdline()) for p in started
+    )
+    driver.kill()
+    driver.wait()
+    _, left = psutil.wait_procs(started, timeout=60)
+    assert not left, f"still running 60 s after the driver was killed: {[' '.join(p.cmdline())[:80] for p in left]}"
+
+
+def test_a_run_killed_then_run_again_resumes_on_a_quiet_console_then_its_champion_labels_a_corpus(
     tiny_model, small_data, tmp_path, model_hub
 ):
-    """ftflow's lines only, the full log in the run's folder; then `ftflow infer` with the champion.
-    Neither asks a model hub anything about a model folder, HF_HUB_OFFLINE unset as a user leaves it."""
+    """A run killed mid-training leaves no process; the same command again resumes it, showing ftflow's
+    lines only, the full log in the run's folder; then `ftflow infer` with the champion. Neither asks a
+    model hub anything about a model folder, HF_HUB_OFFLINE unset as a user leaves it."""
     store, (hub, asked) = tmp_path / "store", model_hub
     online = {"HF_HUB_OFFLINE": "0", "HF_ENDPOINT": hub}
     (tmp_path / "params.yaml").write_text(
         yaml.safe_dump(params(tiny_model, small_data, str(store)).model_dump(mode="json"))
     )
     # One epoch of the tiny model learns nothing (test accuracy 0.5000): no floor, so that it becomes the champion.
-    run = ftflow(
-        "run",
-        "--params",
-        str(tmp_path / "params.yaml"),
-        "--set",
-        "train.epochs=1",
-        "--set",
-        "promotion.min_score=0",
-        timeout=600,
-        **online,
-    )
+    args = ["run", "--params", str(tmp_path / "params.yaml"), "--set", "run_id=killed", "--set", "train.epochs=1"]
+    args += ["--set", "train.checkpoint_every_steps=10", "--set", "promotion.min_score=0"]
+    killed_once_a_checkpoint_is_committed(args, store / "runs" / "killed", **online)
+
+    run = ftflow(*args, timeout=600, **online)
     assert run.returncode == 0 and run.stderr == "", run.stdout + run.stderr
     lines = run.stdout.splitlines()
     for stage in ("tokenize", "train", "evaluate", "promote", "batch inference"):
@@ -207,13 +237,15 @@ def test_a_run_shows_its_stages_on_a_quiet_console_then_its_champion_labels_a_co
     assert len(lines) <= 30 and not [
         line for line in lines if re.search(r"\| INFO|\(pid=|Ray|DeepSpeed|Traceback", line)
     ], run.stdout
-    [run_dir] = (store / "runs").iterdir()
-    assert f"artifacts:     {run_dir}" in lines
+    run_dir = store / "runs" / "killed"
+    assert [path.name for path in (store / "runs").iterdir()] == ["killed"] and f"artifacts:     {run_dir}" in lines
     assert any(re.fullmatch(r"  train: \d+ / 64 steps, .* samples/s", line) for line in lines), (
         run.stdout
     )  # no bar on a pipe
     [log] = (run_dir / "logs").iterdir()
     assert re.search(r"Finished in state Completed", log.read_text()) and "train: 60 / 64 steps" in log.read_text()
+    history = read_json(str(run_dir / "manifest.json"))["metrics"]["training"]["history"]
+    assert history[-1]["resumed_from_step"] >= 10, "the re-run trained from step 0"
 
     labelled = ftflow(
         "infer",

@@ -396,17 +396,17 @@ def test_finetune_on_a_token_secured_cluster_that_grows_and_shrinks(tiny_model, 
             time.sleep(5)
         assert alive_nodes(driver) == 1, "the added nodes went once idle"
 
-        never = finetune(f"s3://{BUCKET}/never", device="gpu", wait_for_workers_s=15)
+        never = finetune(f"s3://{BUCKET}/never", device="gpu", wait_for_workers_s=5)
         assert never.returncode != 0
         assert (
             "the Ray cluster did not make room for 2 training worker(s) of 2 CPU and 1 GPU each within "
-            "wait_for_workers_s=15"
+            "wait_for_workers_s=5"
         ) in never.stderr, never.stderr[-3000:]
         no_actors = subprocess.run(
             [
                 sys.executable,
                 "-c",
-                f"{BATCH_INFER}, device='gpu', wait_for_actors_s=10))",
+                f"{BATCH_INFER}, device='gpu', wait_for_actors_s=5))",
                 str(tiny_model),
                 s3_data["test"],
                 str(tmp_path / "labels"),
@@ -419,7 +419,7 @@ def test_finetune_on_a_token_secured_cluster_that_grows_and_shrinks(tiny_model, 
         )
         assert no_actors.returncode != 0 and not (tmp_path / "labels" / storage.MARKER).exists()
         assert (
-            "the Ray cluster did not start 1 inference actor(s) of 1 CPU and 1 GPU each within wait_for_actors_s=10"
+            "the Ray cluster did not start 1 inference actor(s) of 1 CPU and 1 GPU each within wait_for_actors_s=5"
             in no_actors.stderr
         ), no_actors.stderr[-3000:]
         assert " - Retry 1/" not in no_actors.stderr, "a wait that ran out is not tried again"  # 4 tries took 70 s

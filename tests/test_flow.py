@@ -5,17 +5,15 @@ from __future__ import annotations
 import io
 import json
 import re
-import subprocess
 import threading
 import time
 import uuid
 from pathlib import Path
 
-import psutil
 import pyarrow.parquet as pq
 import pytest
 import ray
-from conftest import BUCKET, FTFLOW, S3_KEY, S3_SECRET, write_jsonl
+from conftest import BUCKET, S3_KEY, S3_SECRET, write_jsonl
 from PIL import Image
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import (
@@ -316,41 +314,3 @@ def test_a_timeout_that_lands_inside_ray_reads_as_the_timeout(ray_cluster):
     with pytest.raises(TimeoutError, match="timed out after 1"):
         stage_task()
     assert time.monotonic() - started < 10
-
-
-def test_a_driver_killed_mid_training_leaves_no_process_and_the_run_resumes(
-    ray_stopped, tiny_model, small_data, tmp_path
-):
-    """`ftflow run` SIGKILLed once a checkpoint is committed: within 60 s none of its
-    processes (its Prefect server, its Ray's, the watcher) is left; the same run_id again resumes."""
-    run = params(tiny_model, small_data, str(tmp_path / "store")).model_copy(update={"run_id": "killed"})
-    run.train = run.train.model_copy(update={"checkpoint_every_steps": 10})
-    (tmp_path / "params.json").write_text(run.model_dump_json())
-    driver = subprocess.Popen(
-        [FTFLOW, "run", "--params", str(tmp_path / "params.json")],
-        cwd=Path(__file__).parents[1],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    snapshot = tmp_path / "store" / "runs" / "killed" / "train" / "ray" / "checkpoint_manager_snapshot.json"
-    deadline = time.monotonic() + 300
-    while not (snapshot.exists() and "checkpoint_dir_name" in snapshot.read_text()):
-        assert driver.poll() is None and time.monotonic() < deadline, (
-            "the run ended or took too long before its first checkpoint"
-        )
-        time.sleep(0.1)
-    started = psutil.Process(driver.pid).children(recursive=True)
-    assert any("raylet" in " ".join(p.cmdline()) for p in started) and any(
-        "uvicorn" in " ".join(p.cmdline()) for p in started
-    )
-    driver.kill()
-    driver.wait()
-    _, left = psutil.wait_procs(started, timeout=60)
-    assert not left, f"still running 60 s after the driver was killed: {[' '.join(p.cmdline())[:80] for p in left]}"
-
-    from tasks.core import cluster
-
-    cluster.connect()
-    summary = finetune(run)
-    manifest = check_run(summary["run_dir"], summary, small_data)
-    assert manifest["metrics"]["training"]["history"][-1]["resumed_from_step"] >= 10, "the re-run trained from step 0"
