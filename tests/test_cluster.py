@@ -59,7 +59,8 @@ def start_ray_head(port: int, env: dict[str, str], *args: str, dashboard: int | 
             "--disable-usage-stats",
             *(args or ["--num-cpus", "2"]),
         ],
-        env=env,
+        # Stopped at once when the test ends: not after draining its node for 30 s, Ray's default for Serve.
+        env={**env, "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"},
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,
