@@ -171,7 +171,7 @@ def test_any_layout_of_files_is_cut_into_even_parts_that_keep_row_numbers(tmp_pa
 def test_a_job_killed_mid_way_and_run_again_labels_every_row_once(ray_stopped, tiny_model, tmp_path):
     """The driver SIGKILLed once labels are being written; the same job again ends with exactly one
     row per input row, and none of the killed job's files."""
-    files, per_file = 40, 5_000
+    files, per_file = 20, 5_000  # ~12 windows of 8,192 rows: the first written, most of them to come
     for f in range(files):
         ids = range(f * per_file, (f + 1) * per_file)
         write_jsonl(
