@@ -17,6 +17,7 @@ import pytest
 import yaml
 from conftest import FTFLOW, free_port, read_jsonl, write_jsonl
 from test_flow import params
+from test_train import checkpoint_committed
 
 from flows import console
 from tasks.core.config import SHIPPED_DATA, BatchInferParams, FinetuneParams
@@ -196,9 +197,8 @@ def killed_once_a_checkpoint_is_committed(args: list[str], run_dir: Path, **env:
     driver = subprocess.Popen(
         [FTFLOW, *args], cwd=ROOT, env=ftflow_env(**env, **fault), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
-    snapshot = run_dir / "train" / "ray" / "checkpoint_manager_snapshot.json"
     deadline = time.monotonic() + 300
-    while not (snapshot.exists() and "checkpoint_dir_name" in snapshot.read_text()):
+    while not checkpoint_committed(run_dir):
         assert driver.poll() is None and time.monotonic() < deadline, (
             "the run ended or took too long before its first checkpoint"
         )

@@ -113,16 +113,17 @@ STRATEGIES = {
 def test_exported_model_predicts_like_the_engine_at_end_of_training(strategy, tokenized, tiny_model):
     root, uris = tokenized
     run_dir = Path(root) / "runs" / strategy
-    cfg = TrainConfig(**{**export_run(STRATEGIES[strategy]), **STRATEGIES[strategy]})
+    cfg = export_config(STRATEGIES[strategy])
     check_export(fit(uris, tiny_model, cfg, run_dir), cfg, run_dir, uris, tiny_model)
 
 
-def export_run(strategy: dict) -> dict:
-    """24 steps show what 128 did: the weights moved (asserted in check_export), and the engine's last
-    validation is compared with the export's. bf16 trains its whole epoch: its rounding flips the
-    labels of a barely trained model's small margins."""
+def export_config(strategy: dict) -> TrainConfig:
+    """The strategy's run: 24 steps show what 128 did (the weights moved, asserted in check_export, and
+    the engine's last validation is compared with the export's). bf16 trains its whole epoch: its
+    rounding flips the labels of a barely trained model's small margins."""
     bf16 = strategy.get("precision") == "bf16"
-    return {"epochs": 1, "max_steps": None if bf16 else 24, "batch_size": 16, "learning_rate": 2e-3, "num_workers": 2}
+    run = {"epochs": 1, "max_steps": None if bf16 else 24, "batch_size": 16, "learning_rate": 2e-3, "num_workers": 2}
+    return TrainConfig(**{**run, **strategy})
 
 
 def check_export(result: Result, cfg: TrainConfig, run_dir: Path, uris: dict, tiny_model: Path) -> None:
@@ -130,12 +131,11 @@ def check_export(result: Result, cfg: TrainConfig, run_dir: Path, uris: dict, ti
     model_dir = run_dir / "model"
     assert_model_is_the_trained_engine(model_dir, uris, result.history, tie=0.05 if cfg.precision == "bf16" else 1e-4)
     initial = AutoModelForSequenceClassification.from_pretrained(tiny_model).state_dict()
-    trained = AutoModelForSequenceClassification.from_pretrained(model_dir).state_dict()
+    exported = AutoModelForSequenceClassification.from_pretrained(model_dir)
     assert not torch.equal(
         initial["bert.encoder.layer.0.attention.self.query.weight"],
-        trained["bert.encoder.layer.0.attention.self.query.weight"],
+        exported.state_dict()["bert.encoder.layer.0.attention.self.query.weight"],
     )
-    exported = AutoModelForSequenceClassification.from_pretrained(model_dir)
     assert exported.config.id2label == dict(enumerate(LABELS))
     assert exported.dtype == torch.float32  # whatever the engine's precision: a bf16 model on a CPU is 2.4x slower
     if (split := cfg.tensor_parallel_size * cfg.pipeline_parallel_size) > 1:
@@ -159,15 +159,19 @@ def ray_train_workers() -> list[psutil.Process]:
     return workers
 
 
+def checkpoint_committed(run_dir: Path, run: str = ".") -> bool:
+    """Ray Train's snapshot (of the run folder `run`, a glob, under run_dir) lists a checkpoint: a folder
+    that is still uploading, or not yet registered by the controller, is not a checkpoint to resume from."""
+    snapshot = next(run_dir.glob(f"{run}/train/ray/checkpoint_manager_snapshot.json"), None)
+    return snapshot is not None and "checkpoint_dir_name" in snapshot.read_text()
+
+
 def kill_a_worker_once_a_checkpoint_is_committed(
     run_dir: Path, killed: list[int], stop: threading.Event, run: str = "."
 ) -> None:
-    """Kill one training worker once Ray Train's snapshot (of the run folder `run`, a glob, under
-    run_dir) lists a checkpoint: a folder that is still uploading, or not yet registered by the
-    controller, is not a checkpoint to resume from."""
+    """Kill one training worker once a checkpoint of the run folder `run` (a glob) under run_dir is committed."""
     while not stop.is_set():
-        snapshot = next(run_dir.glob(f"{run}/train/ray/checkpoint_manager_snapshot.json"), None)
-        if snapshot and "checkpoint_dir_name" in snapshot.read_text():
+        if checkpoint_committed(run_dir, run):
             workers = ray_train_workers()
             if workers:
                 workers[-1].kill()
@@ -347,8 +351,7 @@ def test_zero3_holds_less_memory_per_worker_than_zero0(wide_model, small_data, t
     uris = tokenize(tokenize_key(splits, load_tokenizer(str(wide_model)), 64, str(tmp_path)), splits, str(wide_model))
     peak = {}
     for stage in (0, 3):
-        # ZeRO-3 keeps half the model state per worker of 2 (4 workers on half a CPU each, a quarter of a
-        # 27M-parameter model's, took 84 s against 2 of this model's 69 s; margin 0.75 here).
+        # ZeRO-3 keeps half the model state on each of 2 workers (ZeRO-3 / ZeRO-0 measured 0.75 here).
         cfg = TrainConfig(zero_stage=stage, epochs=1, batch_size=16, num_workers=2)
         peak[stage] = fit(uris, wide_model, cfg, tmp_path / "runs" / f"zero{stage}").history[-1].peak_memory_mb
     print(f"peak RSS per worker: ZeRO-0 {peak[0]:.0f} MiB, ZeRO-3 {peak[3]:.0f} MiB")
@@ -380,8 +383,7 @@ def test_tensor_parallel_groups_are_placed_within_a_node(tokenized, tiny_model, 
     is on a node of its own. The model they export is the trained engine's, as at every other strategy."""
     _, uris = tokenized
     run_dir = tmp_path / "runs" / "tp2-dp2-zero3"
-    tp2_dp2_zero3 = {"tensor_parallel_size": 2, "num_workers": 4, "cpus_per_worker": 1, "zero_stage": 3}
-    cfg = TrainConfig(**{**export_run(tp2_dp2_zero3), **tp2_dp2_zero3})
+    cfg = export_config({"tensor_parallel_size": 2, "num_workers": 4, "cpus_per_worker": 1, "zero_stage": 3})
     run = subprocess.run(
         [sys.executable, "-c", ON_THREE_NODES, json.dumps(uris), str(tiny_model), cfg.model_dump_json(), str(run_dir)],
         cwd=Path(__file__).parents[1],
