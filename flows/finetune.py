@@ -11,7 +11,7 @@ from tasks.core.progress import RUN_DIR
 from tasks.core.reaper import reap_on_exit
 from tasks.core.storage import RunStore, refuse_overlap
 from tasks.evaluate.task import evaluate
-from tasks.infer.task import predict_files
+from tasks.infer.task import predict_files, write_test_labels
 from tasks.promote.task import promote
 from tasks.report.manifest import Outputs, Results, write_manifest
 from tasks.report.task import Stopwatch, publish_report
@@ -61,13 +61,18 @@ def finetune(params: FinetuneParams = FinetuneParams()) -> dict:
             tokenized, params.model, params.data.label_names, params.train, store, params.ray_address
         )
     with took("evaluate"):
-        metrics = evaluate(store, inputs.splits["test"], inputs.inference, params.ray_address)
+        metrics = evaluate(store, inputs.splits["test"], training.test)
     with took("promote"):
         promotion = promote(store, metrics, inputs.splits["test"], params.promotion, params.ray_address)
     with took("batch inference"):
-        predictions = predict_files.with_options(timeout_seconds=inputs.inference.timeout_s)(
-            store.model_dir, inputs.inference, store.predictions, params.ray_address
-        )
+        if inputs.labels_test_split:  # the rows training labelled for evaluation: no model to load again
+            predictions = write_test_labels(
+                training.test, inputs.splits["test"], store.model_dir, inputs.inference, store.predictions
+            )
+        else:
+            predictions = predict_files.with_options(timeout_seconds=inputs.inference.timeout_s)(
+                store.model_dir, inputs.inference, store.predictions, params.ray_address
+            )
 
     took.fixed_costs(training.first_step_at)
     config = params.model_dump(mode="json")

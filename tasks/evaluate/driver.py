@@ -1,5 +1,6 @@
-"""Stage 3, the cluster side (no Prefect): a model's confusion matrix on a labelled split, predicted by
-the inference code (tasks/infer/predictor.py) in a Ray task, and the metrics it gives."""
+"""Stage 3 without Prefect: the metrics of the labels the trained engine gave the test split
+(tasks/train/worker.py), and, for a model on its own from storage (the champion), its confusion matrix
+on a labelled split, predicted by the inference code (tasks/infer/predictor.py) in a Ray task."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pydantic import BaseModel
 
 from tasks.core import cluster
 from tasks.core.data import Split, labelled_frames
-from tasks.infer.predictor import Predictor
+from tasks.train.contract import Predictions
 
 
 class Metrics(BaseModel):
@@ -36,6 +37,15 @@ def metrics_of(counts: np.ndarray, label_names: list[str]) -> Metrics:
     )
 
 
+def scored(predictions: Predictions, label_names: list[str]) -> Metrics:
+    """The metrics of labels predicted by row against the true ones."""
+    counts = np.zeros((len(label_names), len(label_names)), dtype=np.int64)
+    np.add.at(
+        counts, (np.asarray(predictions.truth, dtype=np.int64), np.asarray(predictions.labels, dtype=np.int64)), 1
+    )
+    return metrics_of(counts, label_names)
+
+
 def score(model_uri: str, test: Split, batch_size: int) -> Metrics:
     """Accuracy, macro F1 and the confusion matrix of a model on a split, computed on the cluster by
     the inference code (tasks/infer/predictor.py), batch_size rows a forward pass, with the CPUs (or a GPU)
@@ -49,6 +59,8 @@ def score(model_uri: str, test: Split, batch_size: int) -> Metrics:
 def confusion(model_uri: str, split: Split, batch_size: int, threads: int) -> tuple[np.ndarray, list[str]]:
     """The confusion matrix (true x predicted) of a model on a labelled split, streamed a chunk at a
     time, and the model's label names: run as a Ray task, so no model is loaded by the driver."""
+    from tasks.infer.predictor import Predictor  # torch and transformers: in the task's process only
+
     predictor = Predictor(model_uri, batch_size, threads)
     ids = list(range(len(predictor.label_names)))
     counts = np.zeros((len(ids), len(ids)), dtype=np.int64)

@@ -1,17 +1,18 @@
 """Stage 3, the Prefect side: held-out metrics of the trained model, stored and shown as Prefect
-artifacts. The metrics are computed on the cluster by tasks/evaluate/driver.py."""
+artifacts, from the labels the trained engine gave the test split where it was trained
+(tasks/train/worker.py); tasks/evaluate/driver.py computes them."""
 
 from __future__ import annotations
 
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-from tasks.core import jobs, storage
-from tasks.core.config import InferenceConfig
+from tasks.core import storage
 from tasks.core.data import Split, shown
 from tasks.core.retries import RETRY_TRANSIENT
 from tasks.core.storage import RunStore
-from tasks.evaluate.driver import Metrics, score
+from tasks.evaluate.driver import Metrics, scored
+from tasks.train.contract import Predictions
 
 
 def confusion_markdown(metrics: Metrics) -> str:
@@ -25,13 +26,13 @@ def confusion_markdown(metrics: Metrics) -> str:
 
 
 @task(**RETRY_TRANSIENT)
-def evaluate(store: RunStore, test: Split, inference: InferenceConfig, ray_address: str | None = None) -> Metrics:
-    """Accuracy, macro F1 and the confusion matrix of the run's model on the test split, predicted as
-    batch inference predicts (inference.batch_size) -> the run's metrics.json + artifacts."""
+def evaluate(store: RunStore, test: Split, predictions: Predictions) -> Metrics:
+    """Accuracy, macro F1 and the confusion matrix of the run's model on the test split, as the trained
+    engine labelled it -> the run's metrics.json + artifacts."""
     model_uri = store.model_dir
-    metrics = jobs.run(
-        score, ray_address, get_run_logger(), model_uri=model_uri, test=test, batch_size=inference.batch_size
-    )
+    if len(predictions.labels) != test.total_rows:
+        raise RuntimeError(f"training labelled {len(predictions.labels)} test rows of {test.total_rows}")
+    metrics = scored(predictions, list(test.schema.label_names))
     storage.write_json(store.metrics, metrics.model_dump())
     create_table_artifact(
         key="test-metrics",

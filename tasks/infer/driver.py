@@ -3,21 +3,18 @@ model actors (tasks/infer/worker.py) labelling the input files a part at a time,
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
-import pyarrow.dataset
 import ray
-from pydantic import BaseModel
 from ray.data import DataContext
 
 from tasks.core import cluster, jobs, storage
 from tasks.core.config import InferenceConfig
 from tasks.core.data import cut, expand_inputs, numbered, rows_per_byte
 from tasks.core.progress import Tick, log_tick, tallied
+from tasks.infer.labels import Labelled, completed, file_names
 from tasks.infer.worker import Counts, Labeller
 
 PARTS_PER_ACTOR = 4  # at least, so that the last part to finish is a small share of any actor's work
@@ -27,18 +24,6 @@ PART_BYTES = 64 << 20  # the most of a file one actor call labels: what a retrie
 # it labels. all-MiniLM-L6-v2 on 2 cores: 1,066 rows in 10.1-10.9 s with one actor against 15.4 s
 # with two; 4,000 rows in 24.4 s against 25.0 s.
 ONE_ACTOR_ROWS = 4_000
-
-
-class Labelled(BaseModel):
-    """What a batch-inference job labelled, where, and how fast."""
-
-    output_uri: str
-    rows: int
-    files: int
-    seconds: float
-    rows_per_s: float
-    actors: int
-    parts: int
 
 
 def labelled(model_uri: str, cfg: InferenceConfig, output_uri: str) -> Labelled:
@@ -81,21 +66,7 @@ def labelled(model_uri: str, cfg: InferenceConfig, output_uri: str) -> Labelled:
             num_gpus=gpus,
         ).materialize()
     seconds = time.perf_counter() - started
-    written = output.written(job)
-    rows = pyarrow.dataset.dataset(
-        [f"{out_path}/{name}" for name in written], filesystem=out_fs, format="parquet"
-    ).count_rows()
-    output.complete(
-        job,
-        written,
-        {
-            "rows": rows,
-            "inputs": {uri: storage.fingerprint(uri) for uri in files},
-            "model": {"uri": model_uri, "fingerprint": storage.fingerprint(model_uri)},
-            "text_column": text_column,
-            "id_column": cfg.id_column,
-        },
-    )
+    rows = completed(output, job, files, model_uri, cfg.model_copy(update={"text_column": text_column}))
     log_tick(
         logger,
         Tick(
@@ -132,10 +103,8 @@ def cut_in_parts(sizes: dict[str, int], actors: int) -> list[dict]:
     the default row ids. For two actors, 16 files of 625 rows are 16 parts, and one file of 10,000
     rows is 8: the actors share the work evenly however it is laid out in files."""
     share = sum(sizes.values()) / (actors * PARTS_PER_ACTOR) if actors > 1 else PART_BYTES
-    base = os.path.commonpath(list(sizes)) if len(sizes) > 1 else ""
     parts = []
-    for uri in sizes:
-        name = os.path.relpath(uri, base) if base else Path(uri).name
+    for uri, name in file_names(list(sizes)).items():
         for piece in numbered(cut(uri, piece_bytes=max(1, int(min(share, PART_BYTES))))):
             parts.append(
                 {

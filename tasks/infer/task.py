@@ -1,5 +1,6 @@
-"""Stage 4, the Prefect side: the `predict_files` task, its progress artifact and throughput table.
-Its Ray work is tasks/infer/driver.py."""
+"""Stage 4, the Prefect side: the `predict_files` task, its progress artifact and throughput table
+(its Ray work is tasks/infer/driver.py), and `write_test_labels`, the finetune flow's batch inference
+of the test split, which evaluation has just labelled (tasks/infer/labels.py)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,12 @@ from prefect.artifacts import create_table_artifact
 
 from tasks.core import jobs
 from tasks.core.config import InferenceConfig
+from tasks.core.data import Split
 from tasks.core.live import Tracked
 from tasks.core.retries import RETRY_TRANSIENT
-from tasks.infer.driver import Labelled, labelled
+from tasks.infer.driver import labelled
+from tasks.infer.labels import Labelled, from_predictions
+from tasks.train.contract import Predictions
 
 
 @task(**RETRY_TRANSIENT)
@@ -22,9 +26,24 @@ def predict_files(model_uri: str, cfg: InferenceConfig, output_uri: str, ray_add
         "batch-inference-progress", "Batch inference: % of the rows labelled (estimated until every part is read)"
     ) as progress:
         result = jobs.run(labelled, ray_address, progress, model_uri=model_uri, cfg=cfg, output_uri=output_uri)
-    create_table_artifact(
-        key="batch-inference-throughput",
-        table=[result.model_dump(exclude={"output_uri"})],
-        description=f"{model_uri} over {result.files} file(s), labels in {output_uri}",
+    throughput_artifact(result, f"{model_uri} over {result.files} file(s), labels in {output_uri}")
+    return result
+
+
+@task(**RETRY_TRANSIENT)
+def write_test_labels(
+    predictions: Predictions, test: Split, model_uri: str, cfg: InferenceConfig, output_uri: str
+) -> Labelled:
+    """Batch inference of the test split, whose rows the trained engine labelled for evaluation: those
+    labels, written as predict_files writes the model's (no model is loaded again)."""
+    result = from_predictions(predictions, test, model_uri, cfg, output_uri)
+    throughput_artifact(
+        result, f"{model_uri}'s labels of the test split, as evaluation predicted them, in {output_uri}"
     )
     return result
+
+
+def throughput_artifact(result: Labelled, description: str) -> None:
+    create_table_artifact(
+        key="batch-inference-throughput", table=[result.model_dump(exclude={"output_uri"})], description=description
+    )

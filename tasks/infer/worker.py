@@ -18,15 +18,13 @@ from collections.abc import Iterator
 
 import numpy as np
 import pandas as pd
-import pyarrow as pa
 import pyarrow.parquet as pq
 from pydantic import BaseModel
 
 from tasks.core import progress
 from tasks.core.data import DataError, Piece, file_format, iter_frames, reading
+from tasks.infer.labels import LABELS_SCHEMA, labels_table
 from tasks.infer.predictor import Predictor
-
-LABELS_SCHEMA = pa.schema({"id": pa.string(), "text": pa.string(), "label": pa.string(), "score": pa.float32()})
 
 
 class Counts(BaseModel):
@@ -80,18 +78,11 @@ class Labeller:
             f"{self.path}/{self.job}_{part:05d}.parquet", LABELS_SCHEMA, filesystem=self.filesystem
         ) as out:
             for frame in self.windows(piece):
-                first = piece.file_row + seen
-                ids = (
-                    frame[self.id_column].astype(str)
-                    if self.id_column
-                    else [f"{name}:{first + i}" for i in range(len(frame))]
-                )
                 texts = frame[self.text_column].astype(str).tolist()
                 labels, scores = self.predictor.predict(texts)
                 out.write_table(
-                    pa.table(
-                        {"id": ids, "text": texts, "label": self.label_names[labels], "score": scores},
-                        schema=LABELS_SCHEMA,
+                    labels_table(
+                        frame, texts, self.label_names[labels], scores, piece.file_row + seen, name, self.id_column
                     )
                 )
                 seen += len(frame)

@@ -13,7 +13,7 @@ from pydantic import BaseModel
 from tasks.core import storage
 from tasks.core.retries import RETRY_TRANSIENT
 from tasks.evaluate.driver import Metrics
-from tasks.infer.driver import Labelled
+from tasks.infer.labels import Labelled
 from tasks.promote.task import Decision
 from tasks.train.contract import Result
 

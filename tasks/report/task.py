@@ -23,7 +23,7 @@ from tasks.core.retries import RETRY_TRANSIENT
 from tasks.core.storage import RunStore
 from tasks.evaluate.driver import Metrics
 from tasks.evaluate.task import confusion_markdown
-from tasks.infer.driver import Labelled
+from tasks.infer.labels import Labelled
 from tasks.promote.task import Decision, verdict
 from tasks.report.manifest import Outputs, Results, versions
 from tasks.train.contract import Curve, Result

@@ -352,6 +352,8 @@ def fit(
         logger.info("strategy=auto: %s", choice.reason)
     train_rows, train_count = split(tokenized["train"], the_plan.workers)
     validation_rows, _ = split(tokenized["validation"], the_plan.workers)
+    # The test split too where there is one: the trained engine labels it for evaluation (Result.test).
+    test_rows = {"test": split(tokenized["test"], the_plan.workers)[0]} if "test" in tokenized else {}
     batches_per_epoch = math.ceil(
         (train_count + -train_count % the_plan.workers) / the_plan.workers / the_plan.micro_batch
     )
@@ -369,6 +371,7 @@ def fit(
         batches_per_epoch=batches_per_epoch,
         max_steps=max_steps,
         model_uri=store.model_dir,
+        predict_test=bool(test_rows),
     )
     storage_path, filesystem = storage.pyarrow_filesystem(store.train_dir)
     logger.info("training on %s, %d steps", the_plan.describe(cfg), max_steps)
@@ -389,7 +392,7 @@ def fit(
                 "fault": fault,
                 "check_devices": os.environ.get(CHECK_DEVICES) == "1",
             },
-            datasets={"train": train_rows.random_shuffle(seed=cfg.seed), "validation": validation_rows},
+            datasets={"train": train_rows.random_shuffle(seed=cfg.seed), "validation": validation_rows, **test_rows},
             dataset_config=data_config(),
             scaling_config=ScalingConfig(
                 num_workers=the_plan.workers,

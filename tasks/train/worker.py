@@ -38,7 +38,7 @@ from tasks.core.first_token import last_layer_at_first_token
 from tasks.core.progress import NAMESPACE, Tick, post, say
 from tasks.train import devices, pipeline
 from tasks.train.batches import batches
-from tasks.train.contract import STATE_FILE, EpochRecord, Fault, Point, Progress, Result, WorkerSpec
+from tasks.train.contract import STATE_FILE, EpochRecord, Fault, Point, Predictions, Progress, Result, WorkerSpec
 from tasks.train.pipeline import IGNORED
 from tasks.train.replica import Replica
 from tasks.train.watch import TRAINING, Pulse
@@ -68,33 +68,50 @@ class Meter:
 
 
 @torch.no_grad()
-def validate(
-    engine, replica: Replica, spec: WorkerSpec, pad_id: int, device: torch.device
-) -> tuple[float, float, list[int]]:
-    """Exact loss, accuracy and row-ordered predictions over the whole validation split, gathered
-    from all workers (each replica's from the rank that holds its logits); the padding rows are
-    dropped by their row number (-1)."""
+def predicted(
+    engine, replica: Replica, split: str, spec: WorkerSpec, pad_id: int, device: torch.device
+) -> list[tuple[int, float, int, float, int]]:
+    """Every row of a split as the engine labels it, gathered from all workers (each replica's from
+    the rank that holds its logits) and ordered by row: (row, loss, label, its probability, true
+    label). The padding rows are dropped by their row number (-1)."""
     engine.eval()
-    local: list[tuple[int, float, int, int]] = []
-    for batch in batches("validation", spec.plan.micro_batch, spec.train, pad_id, pin=device.type == "cuda"):
+    local: list[tuple[int, float, int, float, int]] = []
+    for batch in batches(split, spec.plan.micro_batch, spec.train, pad_id, pin=device.type == "cuda"):
         batch = replica.join(batch, pad_id)
         logits = replica.logits(batch, device)
         if not replica.leads:
             continue
         real, labels, logits = batch["row"] >= 0, batch["labels"], logits.float().cpu()
         losses = torch.nn.functional.cross_entropy(logits, labels, ignore_index=IGNORED, reduction="none")
+        best = logits.softmax(-1).max(-1)
         local += zip(
             batch["row"][real].tolist(),
             losses[real].tolist(),
-            logits.argmax(-1)[real].tolist(),
+            best.indices[real].tolist(),
+            best.values[real].tolist(),
             labels[real].tolist(),
             strict=True,
         )
     engine.train()  # training may go on mid-epoch
     gathered: list[list] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, local)
-    rows = sorted(row for part in gathered for row in part)
-    return (sum(r[1] for r in rows) / len(rows), sum(r[2] == r[3] for r in rows) / len(rows), [r[2] for r in rows])
+    return sorted(row for part in gathered for row in part)
+
+
+def validate(
+    engine, replica: Replica, spec: WorkerSpec, pad_id: int, device: torch.device
+) -> tuple[float, float, list[int]]:
+    """Exact loss, accuracy and row-ordered predictions over the whole validation split."""
+    rows = predicted(engine, replica, "validation", spec, pad_id, device)
+    return (sum(r[1] for r in rows) / len(rows), sum(r[2] == r[4] for r in rows) / len(rows), [r[2] for r in rows])
+
+
+def label_test_split(engine, replica: Replica, spec: WorkerSpec, pad_id: int, device: torch.device) -> Predictions:
+    """The test split as the trained engine labels it, for evaluation and the test split's batch
+    inference: the model is here already (1,066 rows: 3-4 s, against 8 s for a new process to load
+    the exported model and label them, and 10 s more for batch inference to do it again)."""
+    rows = predicted(engine, replica, "test", spec, pad_id, device)
+    return Predictions(labels=[r[2] for r in rows], scores=[r[3] for r in rows], truth=[r[4] for r in rows])
 
 
 def layer_parameter_mb(layers: list[torch.nn.Module]) -> float | None:
@@ -415,6 +432,8 @@ def run(spec: WorkerSpec, channel: str | None, pulse: Pulse, fault: Fault | None
         save(engine, progress, progress.history[-1].model_dump())
     if predictions is None:  # a re-run of a finished run trains nothing; its export still needs them
         predictions = validate(engine, replica, spec, pad_id, device)[2]
+    pulse("labelling the test split", engine.global_steps)
+    test = label_test_split(engine, replica, spec, pad_id, device) if spec.predict_test else None
     pulse("exporting the model", engine.global_steps)
     export(
         replica,
@@ -424,6 +443,7 @@ def run(spec: WorkerSpec, channel: str | None, pulse: Pulse, fault: Fault | None
             history=progress.history,
             curve=progress.curve,
             validation_predictions=predictions,
+            test=test,
             nodes=nodes,
             layer_parameter_mb=layer_parameter_mb(replica.layers()),
             first_step_at=first_step_at,

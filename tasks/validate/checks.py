@@ -66,6 +66,12 @@ class RunInputs:
         """Every location the run reads: what it writes must stay apart."""
         return [*params.inputs(), *(uri for split in self.splits.values() for uri in split.uris), *self.to_label]
 
+    @property
+    def labels_test_split(self) -> bool:
+        """Batch inference labels the test split's texts, which the trained engine labels for evaluation."""
+        test = self.splits["test"]
+        return self.to_label == list(test.uris) and self.inference.text_column == test.schema.text_column
+
     def by_field(self) -> dict[str, list[str]]:
         """The files read, by the field that named them."""
         return {
