@@ -50,6 +50,7 @@ def finetune(params: FinetuneParams = FinetuneParams()) -> dict:
     )
     # The plan against the cluster, before tokenizing.
     check_training_plan(params.model, params.data.label_names, params.train, params.ray_address)
+    took.mark("cluster ready")
     logger.info("run %s in %s", store.run_id, store.base, extra={RUN_DIR: store.base})
 
     with took("tokenize"):
@@ -74,7 +75,7 @@ def finetune(params: FinetuneParams = FinetuneParams()) -> dict:
                 store.model_dir, inputs.inference, store.predictions, params.ray_address
             )
 
-    took.fixed_costs(training.first_step_at)
+    took.fixed_costs(training.marks)
     config = params.model_dump(mode="json")
     outputs = Outputs(
         tokenized=tokenized,

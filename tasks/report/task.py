@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import base64
 import io
+import itertools
 import json
 import logging
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import psutil
 from matplotlib.figure import Figure
 from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
@@ -26,34 +28,59 @@ from tasks.evaluate.task import confusion_markdown
 from tasks.infer.labels import Labelled
 from tasks.promote.task import Decision, verdict
 from tasks.report.manifest import Outputs, Results, versions
-from tasks.train.contract import Curve, Result
+from tasks.train.contract import Curve, Marks, Result
 
 PLOTS = {"training": "training.png", "confusion": "confusion-matrix.png"}
 
 
 class Stopwatch:
-    """Wall seconds per stage of a flow, and its fixed costs around training. Prefect records task-run
-    times too, but its API holds them only once its event pipeline has caught up, so a report reading
-    them at the end would race it. Each stage's start and end are logged, marked for the console."""
+    """Wall seconds per stage of a flow, and its fixed costs around training, phase by phase. Prefect
+    records task-run times too, but its API holds them only once its event pipeline has caught up, so a
+    report reading them at the end would race it. Each stage's start and end are logged, marked for the
+    console."""
 
     def __init__(self, logger: logging.Logger | logging.LoggerAdapter) -> None:
-        self.logger, self.started, self.ended, self.seconds = logger, time.time(), {}, {}
+        self.logger, self.started, self.points, self.seconds = logger, time.time(), {}, {}
 
     @contextmanager
     def __call__(self, stage: str) -> Iterator[None]:
         self.logger.info("%s", stage, extra={STAGE: ("start", stage)})
-        started = time.time()
+        self.points[f"{stage} began"] = started = time.time()
         yield
-        self.ended[stage] = time.time()
-        self.seconds[stage] = round(self.ended[stage] - started, 2)
+        self.points[f"{stage} ended"] = time.time()
+        self.seconds[stage] = round(self.points[f"{stage} ended"] - started, 2)
         self.logger.info("%s: %.1f s", stage, self.seconds[stage], extra={STAGE: ("end", stage)})
 
-    def fixed_costs(self, first_step_at: float | None) -> None:
-        """From the flow's start to training's first step (the workers' clock: NTP keeps nodes within
-        milliseconds), and from training's end to now, the report."""
-        if first_step_at:  # a re-run of a finished run takes no step
-            self.seconds["start to first training step"] = round(first_step_at - self.started, 2)
-        self.seconds["training's end to the report"] = round(time.time() - self.ended["train"], 2)
+    def mark(self, point: str) -> None:
+        self.points[point] = time.time()
+
+    def fixed_costs(self, training: Marks | None) -> None:
+        """From the flow's start to training's first step and from training's end to now (the report),
+        and "phases": every second of the process, from its start to now, as the gaps between the points
+        the flow and training's rank 0 reached (the workers' clock: NTP keeps nodes within milliseconds)."""
+        marks = training or Marks(started=self.points["train began"])
+        now = time.time()
+        if marks.first_step:  # a re-run of a finished run takes no step
+            self.seconds["start to first training step"] = round(marks.first_step - self.started, 2)
+        self.seconds["training's end to the report"] = round(now - self.points["train ended"], 2)
+        points = [
+            ("imports and Prefect's start", psutil.Process().create_time()),
+            ("checks and Ray's start", self.started),
+            ("tokenize", self.points["cluster ready"]),
+            ("Ray Train's worker processes", self.points["train began"]),
+            ("process group, model and engine", marks.started),
+            ("first batch from the data pipeline", marks.engine_built),
+            ("first micro-batch", marks.first_batch),
+            ("training steps", marks.first_step),
+            ("last validation, checkpoint, test labels", marks.last_step),
+            ("export and Ray Train's end", marks.test_labelled),
+            ("evaluate, promote, batch inference, report", self.points["train ended"]),
+            ("end", now),
+        ]
+        reached = [(phase, at) for phase, at in points if at]
+        self.seconds["phases"] = {
+            phase: round(end - start, 2) for (phase, start), (_, end) in itertools.pairwise(reached)
+        }
 
 
 def png(figure: Figure) -> bytes:
@@ -220,7 +247,11 @@ def markdown(
         "",
         "## Timings",
         "",
-        *table([{"stage": stage, "seconds": s} for stage, s in seconds.items()]),
+        *table([{"stage": stage, "seconds": s} for stage, s in seconds.items() if stage != "phases"]),
+        "",
+        "Every second of the run, from its process's start to the report, phase by phase:",
+        "",
+        *table([{"phase": phase, "seconds": s} for phase, s in seconds.get("phases", {}).items()]),
         "",
         "## Stored artifacts",
         "",

@@ -54,6 +54,10 @@ def flat(config: dict, prefix: str = "") -> dict[str, str]:
     return pairs
 
 
+def metric_name(words: str) -> str:
+    return words.replace(" ", "_").replace("'", "").replace(",", "")
+
+
 def metrics_of(results: Results, seconds: dict) -> list[tuple[str, float, int]]:
     """(name, value, step): the curve at its steps, then the final numbers at step 0."""
     curve, last = results.training.curve, results.training.history[-1]
@@ -68,7 +72,8 @@ def metrics_of(results: Results, seconds: dict) -> list[tuple[str, float, int]]:
         "test_macro_f1": results.test.macro_f1,
         "samples_per_s": last.samples_per_s,
         "peak_memory_mb": last.peak_memory_mb,
-        **{"seconds." + stage.replace(" ", "_").replace("'", ""): value for stage, value in seconds.items()},
+        **{"seconds." + metric_name(stage): value for stage, value in seconds.items() if stage != "phases"},
+        **{"seconds.phases." + metric_name(phase): value for phase, value in seconds.get("phases", {}).items()},
     }
     return points + [(name, float(value), 0) for name, value in final.items()]
 

@@ -103,6 +103,18 @@ class Progress(BaseModel):
     curve: Curve = Curve()
 
 
+class Marks(BaseModel):
+    """When rank 0 of the last attempt reached each point of its run (Unix time; NTP keeps nodes within
+    milliseconds of the driver): the run's phases in its manifest are the gaps between them."""
+
+    started: float  # the training function began: its process was up, with its imports
+    engine_built: float | None = None  # process group, tokenizer, model and DeepSpeed engine ready
+    first_batch: float | None = None  # its first micro-batch came out of the data pipeline
+    first_step: float | None = None  # its first micro-batch was trained (None: it trained none)
+    last_step: float | None = None  # its last optimizer step was taken
+    test_labelled: float | None = None  # after the last validation and checkpoint, the test split labelled
+
+
 class Predictions(BaseModel):
     """A split as the trained engine labelled it, by row: the label ids, their probabilities, the true
     label ids. Evaluation and the test split's batch inference read these instead of loading the
@@ -124,8 +136,6 @@ class Result(BaseModel):
     layer_parameter_mb: float | None = (
         None  # the encoder layers' parameters rank 0 holds: what tensor parallelism and ZeRO-3 split
     )
-    first_step_at: float | None = (
-        None  # Unix time the last attempt's first micro-batch was done (None: it trained none)
-    )
+    marks: Marks | None = None  # when the last attempt reached each point
     cluster: dict = {}  # the cluster that trained (tasks/core/cluster.py describe), added by the driver
     strategy: Choice | None = None  # what strategy=auto chose and why, added by the driver

@@ -38,7 +38,17 @@ from tasks.core.first_token import last_layer_at_first_token
 from tasks.core.progress import NAMESPACE, Tick, post, say
 from tasks.train import devices, pipeline
 from tasks.train.batches import batches
-from tasks.train.contract import STATE_FILE, EpochRecord, Fault, Point, Predictions, Progress, Result, WorkerSpec
+from tasks.train.contract import (
+    STATE_FILE,
+    EpochRecord,
+    Fault,
+    Marks,
+    Point,
+    Predictions,
+    Progress,
+    Result,
+    WorkerSpec,
+)
 from tasks.train.pipeline import IGNORED
 from tasks.train.replica import Replica
 from tasks.train.watch import TRAINING, Pulse
@@ -333,8 +343,9 @@ def run(spec: WorkerSpec, channel: str | None, pulse: Pulse, fault: Fault | None
     ones: the order follows from the seed) and skipping them without computing on them. Nothing is
     trained twice; the dropout masks after the resume differ from an uninterrupted run's.
     """
-    started, cfg = time.perf_counter(), spec.train
+    started, cfg, marks = time.perf_counter(), spec.train, Marks(started=time.time())
     engine, device, tokenizer, replica = setup(spec, pulse)
+    marks.engine_built = time.time()
     if dist.get_rank() == 0 and channel is not None:
         say(channel, logging.INFO, engine_line(engine, device, time.perf_counter() - started))
     pulse("resuming")
@@ -344,7 +355,7 @@ def run(spec: WorkerSpec, channel: str | None, pulse: Pulse, fault: Fault | None
         Meter(device),
         device.type == "cuda",
     )
-    first_epoch, resumed_from, predictions, first_step_at = progress.epoch, engine.global_steps, None, None
+    first_epoch, resumed_from, predictions = progress.epoch, engine.global_steps, None
     nodes: list[str] = [None] * dist.get_world_size()
     dist.all_gather_object(nodes, ray.get_runtime_context().get_node_id())
 
@@ -370,6 +381,7 @@ def run(spec: WorkerSpec, channel: str | None, pulse: Pulse, fault: Fault | None
         first_done = time.perf_counter()
         pulse("waiting for the first batch", engine.global_steps)
         for batch in islice(batches("train", spec.plan.micro_batch, cfg, pad_id, epoch, pin=pin), done, None):
+            marks.first_batch = marks.first_batch or time.time()
             rows = int((batch["labels"] != IGNORED).sum())  # this worker's, before its replica joins them
             steps_before = engine.global_steps
             for loss, logits, labels in replica.train(
@@ -380,12 +392,13 @@ def run(spec: WorkerSpec, channel: str | None, pulse: Pulse, fault: Fault | None
                 loss_sum += loss.detach().float()
             done, trained = done + 1, trained + 1
             if trained == 1:
-                first_done, first_step_at = time.perf_counter(), first_step_at or time.time()
+                first_done, marks.first_step = time.perf_counter(), marks.first_step or time.time()
             else:
                 samples += rows
             if engine.global_steps == steps_before:
                 continue
             step, position, pause_from = engine.global_steps, epoch + done / spec.batches_per_epoch, time.perf_counter()
+            marks.last_step = time.time()
             pulse(TRAINING, step)
             injected(fault, channel, step)
             if step % cfg.log_every_steps == 0:
@@ -434,6 +447,7 @@ def run(spec: WorkerSpec, channel: str | None, pulse: Pulse, fault: Fault | None
         predictions = validate(engine, replica, spec, pad_id, device)[2]
     pulse("labelling the test split", engine.global_steps)
     test = label_test_split(engine, replica, spec, pad_id, device) if spec.predict_test else None
+    marks.test_labelled = time.time()
     pulse("exporting the model", engine.global_steps)
     export(
         replica,
@@ -446,6 +460,6 @@ def run(spec: WorkerSpec, channel: str | None, pulse: Pulse, fault: Fault | None
             test=test,
             nodes=nodes,
             layer_parameter_mb=layer_parameter_mb(replica.layers()),
-            first_step_at=first_step_at,
+            marks=marks,
         ),
     )
