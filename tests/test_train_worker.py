@@ -14,8 +14,8 @@ from ray.train.torch import TorchConfig, TorchTrainer
 from tasks.core.config import TrainConfig
 from tasks.tokenize.worker import SHARD_SCHEMA
 from tasks.train.batches import batches
+from tasks.train.contract import IGNORED
 from tasks.train.driver import data_config, split
-from tasks.train.pipeline import IGNORED
 
 
 def test_every_worker_gets_equal_micro_batches_and_every_row_once_per_epoch(ray_cluster, tmp_path):

@@ -12,9 +12,10 @@ scores within 6e-8. transformers has no such option, hence this file.
 from __future__ import annotations
 
 from types import MethodType
+from typing import TYPE_CHECKING
 
-import torch
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+if TYPE_CHECKING:  # torch only where a model runs: the flow's process reads FIRST_TOKEN_CLASSIFIERS
+    import torch
 
 # Model types whose sequence classifiers read hidden_states[:, 0] alone and whose layers are BERT's
 # (attention.self.query/key/value, attention.output, feed_forward_chunk): each is in the tests.
@@ -40,6 +41,8 @@ def first_token_forward(
     layer, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None, *_, **__
 ) -> torch.Tensor:
     """BertLayer.forward for an encoder (no cross-attention, no cache) at position 0: (batch, 1, hidden)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
     attention, first = layer.attention.self, hidden_states[:, :1]
 
     def heads(states: torch.Tensor) -> torch.Tensor:

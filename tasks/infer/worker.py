@@ -24,7 +24,6 @@ from pydantic import BaseModel
 from tasks.core import progress
 from tasks.core.data import DataError, Piece, file_format, iter_frames, reading
 from tasks.infer.labels import LABELS_SCHEMA, labels_table
-from tasks.infer.predictor import Predictor
 
 
 class Counts(BaseModel):
@@ -54,6 +53,8 @@ class Labeller:
         precision: str,
         channel: str | None = None,
     ):
+        from tasks.infer.predictor import Predictor  # torch and transformers: in the actor only, not its driver
+
         self.predictor = Predictor(model_uri, batch_size, threads, precision=precision)
         self.label_names = np.asarray(self.predictor.label_names)
         (self.path, self.filesystem), self.job = output, job

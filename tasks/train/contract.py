@@ -19,6 +19,7 @@ class Choice(BaseModel):
     reason: str
 
 
+IGNORED = -100  # the label of the rows the driver pads a split with: no loss, no metric, no prediction
 STATE_FILE = "training_state.json"  # beside the exported model: the history, the curve, the validation predictions
 
 

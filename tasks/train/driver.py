@@ -36,10 +36,9 @@ from tasks.core.progress import relayed
 from tasks.core.storage import RunStore
 from tasks.tokenize.worker import SHARD_SCHEMA
 from tasks.train import strategy
-from tasks.train.contract import STATE_FILE, Choice, Fault, Plan, Result, WorkerSpec
-from tasks.train.pipeline import IGNORED
+from tasks.train.contract import IGNORED, STATE_FILE, Choice, Fault, Plan, Result, WorkerSpec
+from tasks.train.entry import train_worker
 from tasks.train.watch import FailureRelay, Watchdog, own
-from tasks.train.worker import train_worker
 
 # glibc raises its mmap threshold to 32 MiB after the first large free, so tensors up to that size
 # are then carved from the heap and fragment it: ZeRO-3's per-layer gathers grew a CPU worker's RSS

@@ -15,7 +15,7 @@ from torch import nn
 from transformers import AutoModelForSequenceClassification
 from transformers.masking_utils import create_bidirectional_mask
 
-IGNORED = -100  # the label of the rows the driver pads a split with: no loss, no metric, no prediction
+from tasks.train.contract import IGNORED
 
 
 class Embeddings(nn.Module):

@@ -39,6 +39,7 @@ from tasks.core.progress import NAMESPACE, Tick, post, say
 from tasks.train import devices, pipeline
 from tasks.train.batches import batches
 from tasks.train.contract import (
+    IGNORED,
     STATE_FILE,
     EpochRecord,
     Fault,
@@ -49,7 +50,6 @@ from tasks.train.contract import (
     Result,
     WorkerSpec,
 )
-from tasks.train.pipeline import IGNORED
 from tasks.train.replica import Replica
 from tasks.train.watch import TRAINING, Pulse
 
