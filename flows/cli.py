@@ -15,6 +15,7 @@ cluster work. Bad input is one line and exit code 2; any other failure one line 
 
 from __future__ import annotations
 
+import gc
 import inspect
 import json
 import sys
@@ -23,7 +24,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, NoReturn
 
 import typer
 import typer._click as click  # typer 0.29 carries its own click: its exceptions are these
@@ -387,16 +388,20 @@ def command_name(argv: list[str]) -> str:
 def main(argv: list[str] | None = None) -> None:
     """The console script: errors as one line (exit 2 for bad input, 1 otherwise) unless --debug."""
     argv = sys.argv[1:] if argv is None else argv
+    exit_now(exit_code(argv))
+
+
+def exit_code(argv: list[str]) -> int:
     try:
         # Not standalone, click returns a typer.Exit's code (a command's, --help's) rather than exiting with it.
-        exit_code = typer.main.get_group(app).main(argv, prog_name="ftflow", standalone_mode=False)
+        return typer.main.get_group(app).main(argv, prog_name="ftflow", standalone_mode=False) or 0
     except (typer.Abort, KeyboardInterrupt):
-        sys.exit(130)
+        return 130
     except click.exceptions.NoArgsIsHelpError:  # the help is printed: a usage error with nothing more to say
-        sys.exit(2)
+        return 2
     except click.exceptions.ClickException as error:  # usage: an unknown option, a missing argument
         console.error(f"{command_name(argv)}: {error.format_message()} (see --help)")
-        sys.exit(2)
+        return 2
     except Exception as error:  # noqa: BLE001 -- every failure ends as one line, its traceback only when asked
         bad = isinstance(error, (BadInput, *BAD_INPUT))
         if "--debug" in argv:
@@ -406,8 +411,15 @@ def main(argv: list[str] | None = None) -> None:
                 f"{command_name(argv)}: {first_line(error)}"
                 + ("" if bad else f" ({type(error).__name__}; --debug for the traceback)")
             )
-        sys.exit(2 if bad else 1)
-    sys.exit(exit_code)
+        return 2 if bad else 1
+
+
+def exit_now(code: int) -> NoReturn:
+    """Exit through the usual handlers (Prefect's logs sent, its server stopped, Ray's shutdown), with
+    every object alive now frozen out of the interpreter's last garbage collection: it walked them all
+    for 2.3 s after every `ftflow run` on this CPU, to free what the process was about to lose anyway."""
+    gc.freeze()
+    sys.exit(code)
 
 
 def first_line(error: Exception) -> str:
