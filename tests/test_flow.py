@@ -10,6 +10,7 @@ import time
 import uuid
 from pathlib import Path
 
+import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import ray
@@ -39,6 +40,7 @@ from tasks.core.config import DataConfig, FinetuneParams, ModelConfig, TrainConf
 from tasks.core.data import DataError
 from tasks.core.storage import MARKER
 from tasks.core.text import local_model
+from tasks.infer.predictor import Predictor
 
 
 def params(tiny_model, data: dict, root: str) -> FinetuneParams:
@@ -79,7 +81,15 @@ def check_run(run_dir: str, summary: dict, data: dict) -> dict:
         "promote",
         "batch inference",
         "training's end to the report",
+        "phases",
     }
+    phases = seconds["phases"]  # the test process ran flows before: no phase before the flow's start
+    assert {
+        "checks and Ray's start",
+        "Ray Train's worker processes",
+        "evaluate, promote, batch inference, report",
+    } <= set(phases)
+    assert all(s >= 0 for s in phases.values()) and sum(phases.values()) >= seconds["train"]
     if "start to first training step" in seconds:  # absent when a re-run of a finished run trains nothing
         assert seconds["tokenize"] < seconds["start to first training step"] < seconds["tokenize"] + seconds["train"]
     after = seconds["evaluate"] + seconds["promote"] + seconds["batch inference"]
@@ -94,6 +104,13 @@ def check_run(run_dir: str, summary: dict, data: dict) -> dict:
     assert sorted(predictions["id"]) == sorted(f"test.jsonl:{i}" for i in range(128))
     assert set(predictions["label"]) <= {"negative", "positive"} and predictions["score"].between(0.5, 1).all()
     assert storage.read_json(storage.join(run_dir, "predictions", MARKER))["rows"] == 128
+    # The test split's labels are those the trained engine gave it for evaluation: the exported model's own.
+    in_order = predictions.set_index("id").loc[[f"test.jsonl:{i}" for i in range(128)]]
+    predictor = Predictor(storage.join(run_dir, "model"), batch_size=64)
+    labels, scores = predictor.predict(in_order["text"].tolist())
+    clear = np.abs(scores - 0.5) > 1e-4  # only a tie within rounding noise may flip
+    assert (np.asarray(predictor.label_names)[labels] == in_order["label"].to_numpy())[clear].all()
+    assert np.allclose(scores, in_order["score"], atol=1e-4)
     check_report(run_dir, manifest)
     return manifest
 

@@ -39,8 +39,13 @@ class Stopwatch:
     report reading them at the end would race it. Each stage's start and end are logged, marked for the
     console."""
 
+    process_started: float | None = psutil.Process().create_time()  # for the first flow a process runs only
+
     def __init__(self, logger: logging.Logger | logging.LoggerAdapter) -> None:
         self.logger, self.started, self.points, self.seconds = logger, time.time(), {}, {}
+        # A command's or a deployment run's process starts for its flow; a notebook's or a server's
+        # runs others before, and its start says nothing of this one.
+        self.process_started, Stopwatch.process_started = Stopwatch.process_started, None
 
     @contextmanager
     def __call__(self, stage: str) -> Iterator[None]:
@@ -64,7 +69,7 @@ class Stopwatch:
             self.seconds["start to first training step"] = round(marks.first_step - self.started, 2)
         self.seconds["training's end to the report"] = round(now - self.points["train ended"], 2)
         points = [
-            ("imports and Prefect's start", psutil.Process().create_time()),
+            ("imports and Prefect's start", self.process_started),
             ("checks and Ray's start", self.started),
             ("tokenize", self.points["cluster ready"]),
             ("Ray Train's worker processes", self.points["train began"]),
