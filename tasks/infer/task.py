@@ -16,15 +16,16 @@ from tasks.infer.driver import labelled
 from tasks.infer.labels import Labelled, from_predictions
 from tasks.train.contract import Predictions
 
+# The stage's progress artifact in the UI: key, description.
+PROGRESS = ("batch-inference-progress", "Batch inference: % of the rows labelled (estimated until every part is read)")
+
 
 @task(**RETRY_TRANSIENT)
 def predict_files(model_uri: str, cfg: InferenceConfig, output_uri: str, ray_address: str | None = None) -> Labelled:
     """Label every row of every file cfg.input_uri names; Parquet (id, text, label, score) at
     output_uri, complete once output_uri/_SUCCESS.json exists (rows, input and model fingerprints).
     The flows check the inputs first (tasks/validate/checks.py)."""
-    with Tracked(
-        "batch-inference-progress", "Batch inference: % of the rows labelled (estimated until every part is read)"
-    ) as progress:
+    with Tracked(*PROGRESS) as progress:
         result = jobs.run(labelled, ray_address, progress, model_uri=model_uri, cfg=cfg, output_uri=output_uri)
     throughput_artifact(result, f"{model_uri} over {result.files} file(s), labels in {output_uri}")
     return result
@@ -36,7 +37,11 @@ def write_test_labels(
 ) -> Labelled:
     """Batch inference of the test split, whose rows the trained engine labelled for evaluation: those
     labels, written as predict_files writes the model's (no model is loaded again)."""
-    result = from_predictions(predictions, test, model_uri, cfg, output_uri)
+    with Tracked(*PROGRESS) as progress:
+        result = from_predictions(predictions, test, model_uri, cfg, output_uri)
+        progress.info(
+            "wrote the %d test rows' labels, as evaluation predicted them, in %.1f s", result.rows, result.seconds
+        )
     throughput_artifact(
         result, f"{model_uri}'s labels of the test split, as evaluation predicted them, in {output_uri}"
     )
