@@ -1,26 +1,34 @@
-"""A training worker's micro-batches of its shard of the streamed tokenized splits.
+"""A training worker's micro-batches of the tokenized splits.
 
-What a worker sees of the data: Ray Data streams each split from its Parquet shards, and Ray Train
-splits the stream into equal parts, one per worker (`get_dataset_shard`). The driver pads each split
+What a worker sees of the data: Ray Data streams the training split from its Parquet shards, and Ray
+Train splits the stream into equal parts, one per worker (`get_dataset_shard`). The driver pads it
 with fewer ignored rows than there are workers, so the equal split drops no row and every worker
-runs the same number of micro-batches. The training split is shuffled once by Ray Data with the
-seed (the same permutation every epoch), then within a buffer of `shuffle_buffer_rows` rows with a
-seed of (seed, epoch, worker): the order of every epoch follows from the seed alone. Rows are then
-drawn `length_group_batches` micro-batches at a time, sorted by length, cut into micro-batches and
-trained in a seeded random order (most of a batch's padding was compute spent on nothing). A worker
-holds its group, `prefetch_batches` more and the shuffle buffer, whatever the corpus size.
+runs the same number of micro-batches. An evaluation split (validation, test) every worker reads
+from its shards itself, keeping its own rows, padded the same way (`own_rows`). The training split
+is shuffled once by Ray Data with the seed (the same permutation every epoch), then within a buffer
+of `shuffle_buffer_rows` rows with a seed of (seed, epoch, worker): the order of every epoch follows
+from the seed alone. Rows are then drawn `length_group_batches` micro-batches at a time, sorted by
+length, cut into micro-batches and trained in a seeded random order (most of a batch's padding was
+compute spent on nothing). A worker holds its group, `prefetch_batches` more and the shuffle buffer,
+whatever the corpus size.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from itertools import islice
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.dataset
 import ray.train
 import torch
 
+from tasks.core import storage
 from tasks.core.config import TrainConfig
 from tasks.core.text import padded
+from tasks.tokenize.worker import SHARD_SCHEMA
+from tasks.train.contract import IGNORED, EvaluationSplit
 
 
 def collate(batch: dict[str, np.ndarray], pad_id: int, pin: bool) -> dict[str, torch.Tensor]:
@@ -48,30 +56,59 @@ def by_length(group: list[dict[str, np.ndarray]], pad_id: int, pin: bool) -> lis
     ]
 
 
-def batches(
-    split: str, micro_batch: int, cfg: TrainConfig, pad_id: int, epoch: int | None = None, *, pin: bool = False
-):
-    """This worker's micro-batches of a split for one pass, `length_group_batches` at a time grouped by
-    length. For an epoch of training, rows come from a seeded shuffle buffer and each group's batches
-    go in an order drawn from (seed, epoch) alone: the same on every worker, so the workers' batches
-    at one step are of like width (a step waits for its slowest worker)."""
+def training_batches(micro_batch: int, cfg: TrainConfig, pad_id: int, epoch: int, *, pin: bool = False):
+    """This worker's micro-batches of the training split for one epoch, `length_group_batches` at a time
+    grouped by length: rows from a seeded shuffle buffer, and each group's batches in an order drawn
+    from (seed, epoch) alone, the same on every worker, so the workers' batches at one step are of like
+    width (a step waits for its slowest worker)."""
     rank = ray.train.get_context().get_world_rank()
-    shuffle = (
-        {}
-        if epoch is None
-        else {
-            "local_shuffle_buffer_size": cfg.shuffle_buffer_rows,
-            "local_shuffle_seed": hash((cfg.seed, epoch, rank)) % 2**32,
-        }
+    drawn = ray.train.get_dataset_shard("train").iter_batches(
+        batch_size=micro_batch,
+        batch_format="numpy",
+        prefetch_batches=cfg.prefetch_batches,
+        local_shuffle_buffer_size=cfg.shuffle_buffer_rows,
+        local_shuffle_seed=hash((cfg.seed, epoch, rank)) % 2**32,
     )
-    order = None if epoch is None else np.random.default_rng([cfg.seed, epoch])
-    drawn = iter(
-        ray.train.get_dataset_shard(split).iter_batches(
-            batch_size=micro_batch, batch_format="numpy", prefetch_batches=cfg.prefetch_batches, **shuffle
-        )
-    )
+    yield from grouped(drawn, cfg, pad_id, pin, np.random.default_rng([cfg.seed, epoch]))
+
+
+def evaluation_batches(split: EvaluationSplit, micro_batch: int, cfg: TrainConfig, pad_id: int, *, pin: bool = False):
+    """This worker's micro-batches of an evaluation split for one pass, grouped by length as training's."""
+    yield from grouped(own_rows(split, micro_batch), cfg, pad_id, pin, None)
+
+
+def grouped(drawn, cfg: TrainConfig, pad_id: int, pin: bool, order: np.random.Generator | None):
     # Grouped here rather than by asking Ray for batches of the group's size: its shuffle buffer then
     # yielded a short batch mid-stream (22 micro-batches on one worker, 21 on the others).
+    drawn = iter(drawn)
     for group in iter(lambda: list(islice(drawn, cfg.length_group_batches)), []):
         grouped = by_length(group, pad_id, pin)  # every worker draws as many micro-batches, so as many per group
         yield from grouped if order is None else (grouped[i] for i in order.permutation(len(grouped)))
+
+
+def own_rows(split: EvaluationSplit, micro_batch: int) -> Iterator[dict[str, np.ndarray]]:
+    """This worker's rows of an evaluation split, `micro_batch` at a time: those whose number is its rank
+    modulo the workers, and one ignored row where the split does not divide evenly, so every worker has
+    as many rows. Read from the shards here rather than split by Ray Train: that started a coordinator
+    actor per split, a process (1.5-3 s here) for rows each worker reads once per evaluation."""
+    context = ray.train.get_context()
+    rank, workers = context.get_world_rank(), context.get_world_size()
+    path, filesystem = storage.pyarrow_filesystem(split.uri)
+    shards = pyarrow.dataset.dataset(path, filesystem=filesystem, format="parquet")
+    held: list[pa.RecordBatch] = []
+    for batch in shards.to_batches(columns=SHARD_SCHEMA.names):
+        held.append(batch.filter(pa.array(batch.column("row").to_numpy() % workers == rank)))
+        while sum(map(len, held)) >= micro_batch:
+            first, rest = rows_of(pa.Table.from_batches(held, SHARD_SCHEMA), micro_batch)
+            yield first
+            held = rest.to_batches()
+    if rank >= split.rows % workers > 0:
+        held.append(pa.record_batch({"row": [-1], "label": [IGNORED], "input_ids": [[0]]}, schema=SHARD_SCHEMA))
+    if sum(map(len, held)):
+        yield rows_of(pa.Table.from_batches(held, SHARD_SCHEMA), micro_batch)[0]
+
+
+def rows_of(table: pa.Table, count: int) -> tuple[dict[str, np.ndarray], pa.Table]:
+    """The first `count` rows of a table as a Ray Data numpy batch would hold them, and the rest."""
+    first = table.slice(0, count)
+    return {name: first.column(name).to_numpy() for name in SHARD_SCHEMA.names}, table.slice(count)

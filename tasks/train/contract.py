@@ -42,6 +42,13 @@ class Plan(BaseModel, frozen=True):
         )
 
 
+class EvaluationSplit(BaseModel):
+    """A tokenized split that every worker reads its own rows of, to evaluate on: its shards, its rows."""
+
+    uri: str
+    rows: int
+
+
 class WorkerSpec(BaseModel):
     """All a worker is told: the typed config, its plan, the DeepSpeed JSON, and where the model goes."""
 
@@ -54,7 +61,8 @@ class WorkerSpec(BaseModel):
     batches_per_epoch: int  # micro-batches per worker and epoch, the same on every worker
     max_steps: int  # optimizer steps of the whole run
     model_uri: str  # where rank 0 writes the consolidated model
-    predict_test: bool = False  # label the test split with the trained engine, for evaluation (Result.test)
+    # validation, and the test split where there is one: the trained engine labels it (Result.test)
+    evaluation: dict[str, EvaluationSplit]
 
 
 class Fault(BaseModel):
@@ -132,7 +140,7 @@ class Result(BaseModel):
     history: list[EpochRecord]
     curve: Curve
     validation_predictions: list[int]  # by validation row, as the engine predicted them
-    test: Predictions | None = None  # the test split, when the driver asked for it (WorkerSpec.predict_test)
+    test: Predictions | None = None  # the test split, where the driver gave one (WorkerSpec.evaluation)
     nodes: list[str]  # the Ray node of each worker, by rank, in the last attempt
     layer_parameter_mb: float | None = (
         None  # the encoder layers' parameters rank 0 holds: what tensor parallelism and ZeRO-3 split

@@ -40,7 +40,7 @@ from tasks.core.progress import relayed
 from tasks.core.storage import RunStore
 from tasks.tokenize.worker import SHARD_SCHEMA
 from tasks.train import strategy
-from tasks.train.contract import IGNORED, STATE_FILE, Choice, Fault, Plan, Result, WorkerSpec
+from tasks.train.contract import IGNORED, STATE_FILE, Choice, EvaluationSplit, Fault, Plan, Result, WorkerSpec
 from tasks.train.entry import train_worker
 from tasks.train.watch import FailureRelay, Watchdog, own
 
@@ -283,7 +283,7 @@ def split(uri: str, workers: int) -> tuple[ray.data.Dataset, int]:
     with parquet_reader_v1():
         rows = ray.data.read_parquet(path, filesystem=filesystem, file_extensions=["parquet"])
     rows.context.target_max_block_size = BLOCK_BYTES  # this stream's context: the read and the shuffle after it
-    count = pyarrow.dataset.dataset(path, filesystem=filesystem, format="parquet").count_rows()
+    count = rows_in(uri)
     padding = -count % workers
     if padding:
         rows = rows.union(
@@ -295,6 +295,12 @@ def split(uri: str, workers: int) -> tuple[ray.data.Dataset, int]:
             )
         )
     return rows, count
+
+
+def rows_in(uri: str) -> int:
+    """A tokenized split's rows, from its Parquet footers."""
+    path, filesystem = storage.pyarrow_filesystem(uri)
+    return pyarrow.dataset.dataset(path, filesystem=filesystem, format="parquet").count_rows()
 
 
 def worker_exception(error: WorkerGroupError) -> BaseException:
@@ -360,9 +366,13 @@ def fit(
     if choice:
         logger.info("strategy=auto: %s", choice.reason)
     train_rows, train_count = split(tokenized["train"], the_plan.workers)
-    validation_rows, _ = split(tokenized["validation"], the_plan.workers)
-    # The test split too where there is one: the trained engine labels it for evaluation (Result.test).
-    test_rows = {"test": split(tokenized["test"], the_plan.workers)[0]} if "test" in tokenized else {}
+    # Each worker reads its rows of these (tasks/train/batches.py); the test split, where there is one,
+    # the trained engine labels for evaluation (Result.test).
+    evaluation = {
+        name: EvaluationSplit(uri=tokenized[name], rows=rows_in(tokenized[name]))
+        for name in ("validation", "test")
+        if name in tokenized
+    }
     batches_per_epoch = math.ceil(
         (train_count + -train_count % the_plan.workers) / the_plan.workers / the_plan.micro_batch
     )
@@ -380,7 +390,7 @@ def fit(
         batches_per_epoch=batches_per_epoch,
         max_steps=max_steps,
         model_uri=store.model_dir,
-        predict_test=bool(test_rows),
+        evaluation=evaluation,
     )
     storage_path, filesystem = storage.pyarrow_filesystem(store.train_dir)
     logger.info("training on %s, %d steps", the_plan.describe(cfg), max_steps)
@@ -401,7 +411,7 @@ def fit(
                 "fault": fault,
                 "check_devices": os.environ.get(CHECK_DEVICES) == "1",
             },
-            datasets={"train": train_rows.random_shuffle(seed=cfg.seed), "validation": validation_rows, **test_rows},
+            datasets={"train": train_rows.random_shuffle(seed=cfg.seed)},
             dataset_config=data_config(),
             scaling_config=ScalingConfig(
                 num_workers=the_plan.workers,

@@ -37,7 +37,7 @@ from tasks.core.config import hub_free
 from tasks.core.first_token import last_layer_at_first_token
 from tasks.core.progress import NAMESPACE, Tick, post, say
 from tasks.train import devices, pipeline
-from tasks.train.batches import batches
+from tasks.train.batches import evaluation_batches, training_batches
 from tasks.train.contract import (
     IGNORED,
     STATE_FILE,
@@ -86,7 +86,9 @@ def predicted(
     label). The padding rows are dropped by their row number (-1)."""
     engine.eval()
     local: list[tuple[int, float, int, float, int]] = []
-    for batch in batches(split, spec.plan.micro_batch, spec.train, pad_id, pin=device.type == "cuda"):
+    for batch in evaluation_batches(
+        spec.evaluation[split], spec.plan.micro_batch, spec.train, pad_id, pin=device.type == "cuda"
+    ):
         batch = replica.join(batch, pad_id)
         logits = replica.logits(batch, device)
         if not replica.leads:
@@ -380,7 +382,7 @@ def run(spec: WorkerSpec, channel: str | None, pulse: Pulse, fault: Fault | None
         loss_sum = torch.zeros((), device=device)  # on the device: no sync per batch
         first_done = time.perf_counter()
         pulse("waiting for the first batch", engine.global_steps)
-        for batch in islice(batches("train", spec.plan.micro_batch, cfg, pad_id, epoch, pin=pin), done, None):
+        for batch in islice(training_batches(spec.plan.micro_batch, cfg, pad_id, epoch, pin=pin), done, None):
             marks.first_batch = marks.first_batch or time.time()
             rows = int((batch["labels"] != IGNORED).sum())  # this worker's, before its replica joins them
             steps_before = engine.global_steps
@@ -446,7 +448,7 @@ def run(spec: WorkerSpec, channel: str | None, pulse: Pulse, fault: Fault | None
     if predictions is None:  # a re-run of a finished run trains nothing; its export still needs them
         predictions = validate(engine, replica, spec, pad_id, device)[2]
     pulse("labelling the test split", engine.global_steps)
-    test = label_test_split(engine, replica, spec, pad_id, device) if spec.predict_test else None
+    test = label_test_split(engine, replica, spec, pad_id, device) if "test" in spec.evaluation else None
     marks.test_labelled = time.time()
     pulse("exporting the model", engine.global_steps)
     export(
