@@ -15,7 +15,7 @@ from tasks.infer.task import predict_files, write_test_labels
 from tasks.promote.task import promote
 from tasks.report.manifest import Outputs, Results, write_manifest
 from tasks.report.task import Stopwatch, publish_report
-from tasks.report.tracking import track
+from tasks.report.tracking import import_beside, track
 from tasks.tokenize.driver import load_tokenizer, tokenize_key
 from tasks.tokenize.task import tokenize
 from tasks.train.driver import check_parallelism
@@ -57,6 +57,7 @@ def finetune(params: FinetuneParams = FinetuneParams()) -> dict:
         tokenized = tokenize.with_options(refresh_cache=not key.shards_exist())(
             key, inputs.splits, params.model.name_or_path, params.ray_address
         )
+    import_beside(params.storage_root)  # MLflow's, for track() at the end
     with took("train"):
         training = train.with_options(timeout_seconds=params.train.timeout_s)(
             tokenized, params.model, params.data.label_names, params.train, store, params.ray_address

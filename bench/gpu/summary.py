@@ -19,6 +19,8 @@ try:
         f"train {seconds['train']:.1f} s, first step at {first if first is None else round(first, 1)} s, "
         f"test accuracy {manifest['metrics']['test']['accuracy']:.4f}, {end}"
     )
+    phases = seconds.get("phases", {})  # where the seconds went, from the process's start to the report
+    print(f"RESULT ftflow {name} phases: " + ", ".join(f"{phase} {s:.1f}" for phase, s in phases.items()))
 except (OSError, KeyError, IndexError, ValueError):
     found = None
     for log in sorted(glob.glob(f"{run}/logs/*.log")):
