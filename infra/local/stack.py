@@ -23,6 +23,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from tasks.core.cluster import machine_cpus
+
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 STATE = Path(os.environ.get("FTFLOW_STACK_DIR", PROJECT_ROOT / ".stack"))
 PREFECT_PORT = int(os.environ.get("FTFLOW_PREFECT_PORT", "4200"))
@@ -76,6 +78,11 @@ PROCESSES = [
             "127.0.0.1",
             "--port",
             str(RAY_PORT),
+            # As the local Ray `ftflow run` starts: one CPU more than the machine has, for Ray Data's
+            # tasks. With the cores alone, training took 1 worker of 1 CPU on a 2-core machine, and
+            # its epoch ran 171 s against 128 s for `ftflow run` alone (bench/end_to_end.py).
+            "--num-cpus",
+            str(machine_cpus()),
             "--include-dashboard",
             "false",
             "--disable-usage-stats",

@@ -26,6 +26,11 @@ READ_CPUS = 0.25
 DATA_CPUS = 1
 
 
+def machine_cpus() -> int:
+    """The CPUs a Ray on this one machine declares: its cores, and DATA_CPUS more for Ray Data."""
+    return (os.cpu_count() or 1) + DATA_CPUS
+
+
 def jobs_api(address: str | None) -> str | None:
     """The cluster's Job API when `address` (else RAY_ADDRESS) is one: http(s)://<head>:8265, Ray's
     own convention for `ray job submit`. ftflow then runs each stage as a Ray Job (tasks/core/jobs.py)."""
@@ -56,7 +61,7 @@ def connect(address: str | None = None) -> None:
         # when that one has stopped (its address file outlives it).
         ray.init(
             address="local",
-            num_cpus=(os.cpu_count() or 1) + DATA_CPUS,
+            num_cpus=machine_cpus(),
             include_dashboard=False,
             configure_logging=False,
         )
