@@ -62,7 +62,7 @@ class WorkerSpec(BaseModel):
     max_steps: int  # optimizer steps of the whole run
     model_uri: str  # where rank 0 writes the consolidated model
     # validation, and the test split where there is one: the trained engine labels it (Result.test)
-    evaluation: dict[str, EvaluationSplit]
+    evaluation: dict[str, EvaluationSplit] = {}
 
 
 class Fault(BaseModel):
