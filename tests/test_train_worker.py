@@ -16,6 +16,7 @@ from tasks.tokenize.worker import SHARD_SCHEMA
 from tasks.train.batches import training_batches
 from tasks.train.contract import IGNORED
 from tasks.train.driver import data_config, split
+from tasks.train.stream import drawn
 
 
 def test_every_worker_gets_equal_micro_batches_and_every_row_once_per_epoch(ray_cluster, tmp_path):
@@ -46,7 +47,7 @@ def test_every_worker_gets_equal_micro_batches_and_every_row_once_per_epoch(ray_
         epochs = [
             [
                 {key: batch[key].tolist() for key in ("row", "labels", "attention_mask")}
-                for batch in training_batches(16, cfg, 0, epoch)
+                for batch in training_batches(drawn(16, cfg, epoch), cfg, 0, epoch)
             ]
             for epoch in range(2)
         ]

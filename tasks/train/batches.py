@@ -56,19 +56,13 @@ def by_length(group: list[dict[str, np.ndarray]], pad_id: int, pin: bool) -> lis
     ]
 
 
-def training_batches(micro_batch: int, cfg: TrainConfig, pad_id: int, epoch: int, *, pin: bool = False):
-    """This worker's micro-batches of the training split for one epoch, `length_group_batches` at a time
-    grouped by length: rows from a seeded shuffle buffer, and each group's batches in an order drawn
-    from (seed, epoch) alone, the same on every worker, so the workers' batches at one step are of like
-    width (a step waits for its slowest worker)."""
-    rank = ray.train.get_context().get_world_rank()
-    drawn = ray.train.get_dataset_shard("train").iter_batches(
-        batch_size=micro_batch,
-        batch_format="numpy",
-        prefetch_batches=cfg.prefetch_batches,
-        local_shuffle_buffer_size=cfg.shuffle_buffer_rows,
-        local_shuffle_seed=hash((cfg.seed, epoch, rank)) % 2**32,
-    )
+def training_batches(
+    drawn: Iterator[dict[str, np.ndarray]], cfg: TrainConfig, pad_id: int, epoch: int, *, pin: bool = False
+):
+    """This worker's micro-batches of the training split for one epoch (`drawn`: its rows, from
+    tasks/train/stream.py), `length_group_batches` at a time grouped by length: each group's batches in
+    an order drawn from (seed, epoch) alone, the same on every worker, so the workers' batches at one
+    step are of like width (a step waits for its slowest worker)."""
     yield from grouped(drawn, cfg, pad_id, pin, np.random.default_rng([cfg.seed, epoch]))
 
 

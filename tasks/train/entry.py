@@ -2,12 +2,18 @@
 module and name, so the driver that hands it to Ray Train imports only this file. The worker's code
 (tasks/train/worker.py: torch, transformers, DeepSpeed) is imported where it runs; imported by the
 driver as well, it took 4.3 s of a `ftflow run`'s start on this 2-core CPU, for a function the
-driver never calls."""
+driver never calls. Before those imports the worker starts reading its first epoch's rows
+(tasks/train/stream.py), so that Ray Data's processes start beside them."""
 
 from __future__ import annotations
 
 
 def train_worker(config: dict) -> None:
+    from tasks.train.contract import WorkerSpec
+    from tasks.train.stream import first_epoch_started
+
+    spec = WorkerSpec.model_validate(config["spec"])
+    first_epoch = first_epoch_started(spec.plan.micro_batch, spec.train)
     from tasks.train.worker import train_worker as run
 
-    run(config)
+    run(config, first_epoch)

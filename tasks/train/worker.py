@@ -16,6 +16,8 @@ import resource
 import tempfile
 import time
 import warnings
+from collections.abc import Iterator
+from concurrent.futures import Future
 from contextlib import nullcontext
 from datetime import timedelta
 from itertools import islice
@@ -51,6 +53,7 @@ from tasks.train.contract import (
     WorkerSpec,
 )
 from tasks.train.replica import Replica
+from tasks.train.stream import drawn
 from tasks.train.watch import TRAINING, Pulse
 
 
@@ -326,17 +329,24 @@ def tick(point: Point, max_steps: int, samples_per_s: float) -> Tick:
     )
 
 
-def train_worker(config: dict) -> None:
+def train_worker(config: dict, first_epoch: Future[Iterator[dict]] | None = None) -> None:
     """A Ray Train worker: the spec, the driver's channel (tasks/core/progress.py) and the tests' hooks
-    from the config, then training, its heartbeats posted (the last one exactly, if it fails)."""
+    from the config, then training, its heartbeats posted (the last one exactly, if it fails).
+    `first_epoch`: the first epoch's rows, already being read (tasks/train/stream.py)."""
     spec, channel = WorkerSpec.model_validate(config["spec"]), config.get("channel")
     if config.get("check_devices"):
         devices.check_collectives(ray.train.torch.get_device())
     with Pulse(channel, ray.train.get_context().get_world_rank()).beating() as pulse:
-        run(spec, channel, pulse, Fault.model_validate(config["fault"]) if config.get("fault") else None)
+        run(spec, channel, pulse, Fault.model_validate(config["fault"]) if config.get("fault") else None, first_epoch)
 
 
-def run(spec: WorkerSpec, channel: str | None, pulse: Pulse, fault: Fault | None) -> None:
+def run(
+    spec: WorkerSpec,
+    channel: str | None,
+    pulse: Pulse,
+    fault: Fault | None,
+    first_epoch: Future[Iterator[dict]] | None = None,
+) -> None:
     """Epochs of micro-batches until the last epoch or max_steps, evaluating and checkpointing on the
     steps the config names and at every epoch's end; then rank 0 exports the model.
 
@@ -382,7 +392,8 @@ def run(spec: WorkerSpec, channel: str | None, pulse: Pulse, fault: Fault | None
         loss_sum = torch.zeros((), device=device)  # on the device: no sync per batch
         first_done = time.perf_counter()
         pulse("waiting for the first batch", engine.global_steps)
-        for batch in islice(training_batches(spec.plan.micro_batch, cfg, pad_id, epoch, pin=pin), done, None):
+        rows = first_epoch.result() if first_epoch and epoch == 0 else drawn(spec.plan.micro_batch, cfg, epoch)
+        for batch in islice(training_batches(rows, cfg, pad_id, epoch, pin=pin), done, None):
             marks.first_batch = marks.first_batch or time.time()
             rows = int((batch["labels"] != IGNORED).sum())  # this worker's, before its replica joins them
             steps_before = engine.global_steps
