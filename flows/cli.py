@@ -21,8 +21,6 @@ import json
 import sys
 import traceback
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
@@ -168,9 +166,13 @@ def run(
     run_inputs(params, RunStore(params.storage_root, params.run_id) if params.run_id else None)
     import prefect.main  # noqa: F401 -- Prefect sets its logging up at this import: before the console takes its loggers over
 
+    from flows.temporary_api import temporary_api
+
+    api_answering = temporary_api()
     with console.session(verbose) as say:
-        with prefect_api_started():
-            from flows.finetune import finetune  # Prefect and the ML stack load only once the input is good
+        from flows.finetune import finetune  # Prefect and the ML stack load only once the input is good
+
+        api_answering()
         summary = finetune(params)
         say.result(
             {
@@ -181,29 +183,6 @@ def run(
                 "report": summary["report"],
             }
         )
-
-
-@contextmanager
-def prefect_api_started() -> Iterator[None]:
-    """Prefect's temporary API server, where no PREFECT_API_URL is given, started beside the block (the
-    flow's imports) instead of after it: its process boots on the other core (3.4 s here) while this
-    one imports (4.6 s). Prefect starts it at the flow's first API call otherwise; the server object is
-    one per process (SubprocessASGIServer), so the flow finds this one running."""
-    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED
-
-    if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value():
-        yield
-        return
-
-    def start() -> None:
-        from prefect.server.api.server import SubprocessASGIServer
-
-        SubprocessASGIServer().start()
-
-    with ThreadPoolExecutor(1) as starting:
-        started = starting.submit(start)
-        yield
-        started.result()
 
 
 @app.command()
@@ -287,9 +266,15 @@ def infer(
     from tasks.validate.checks import batch_infer_inputs  # the flow's own checks, before anything starts
 
     batch_infer_inputs(params)
-    from flows.batch_infer import batch_infer  # Prefect and the ML stack load only now
+    import prefect.main  # noqa: F401 -- as in run
 
+    from flows.temporary_api import temporary_api
+
+    api_answering = temporary_api()
     with console.session(verbose) as say:
+        from flows.batch_infer import batch_infer  # Prefect and the ML stack load only now
+
+        api_answering()
         result = batch_infer(params)
         say.result({"rows": f"{result['rows']:,}", "rows/s": f"{result['rows_per_s']:,.0f}", "predictions": output_uri})
 
