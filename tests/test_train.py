@@ -361,6 +361,7 @@ def test_zero3_holds_less_memory_per_worker_than_zero0(wide_model, small_data, t
 # A driver on a cluster of three raylets on this machine: a head of 1 CPU, nodes of 3 and 2 CPUs.
 ON_THREE_NODES = """
 import json, sys
+from pathlib import Path
 import ray
 from ray.cluster_utils import Cluster
 from tasks.core.config import ModelConfig, TrainConfig
@@ -371,7 +372,8 @@ cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
 sizes = {cluster.add_node(num_cpus=cpus).node_id: cpus for cpus in (3, 2)}
 ray.init(address=cluster.address)
 result = fit(tokenized, ModelConfig(name_or_path=model, max_length=64), ["negative", "positive"], cfg, RunStore.at(run_dir))
-print(json.dumps({"node_cpus": [sizes.get(node, 1) for node in result.nodes], "result": result.model_dump(mode="json")}), flush=True)
+placed = {"node_cpus": [sizes.get(node, 1) for node in result.nodes], "result": result.model_dump(mode="json")}
+Path(sys.argv[5]).write_text(json.dumps(placed))  # a file: Ray's workers' log lines reach stdout at any time
 ray.shutdown()
 cluster.shutdown()
 """
@@ -385,14 +387,15 @@ def test_tensor_parallel_groups_are_placed_within_a_node(tokenized, tiny_model, 
     run_dir = tmp_path / "runs" / "tp2-dp2-zero3"
     cfg = export_config({"tensor_parallel_size": 2, "num_workers": 4, "cpus_per_worker": 1, "zero_stage": 3})
     run = subprocess.run(
-        [sys.executable, "-c", ON_THREE_NODES, json.dumps(uris), str(tiny_model), cfg.model_dump_json(), str(run_dir)],
+        [sys.executable, "-c", ON_THREE_NODES, json.dumps(uris), str(tiny_model), cfg.model_dump_json(), str(run_dir)]
+        + [str(tmp_path / "placed.json")],
         cwd=Path(__file__).parents[1],
         capture_output=True,
         text=True,
         timeout=600,
     )
     assert run.returncode == 0, run.stderr[-3000:]
-    placed = json.loads(run.stdout.splitlines()[-1])
+    placed = json.loads((tmp_path / "placed.json").read_text())
     assert placed["node_cpus"] in ([3, 3, 2, 2], [2, 2, 3, 3]), placed["node_cpus"]  # the CPUs of each rank's node
     check_export(Result.model_validate(placed["result"]), cfg, run_dir, uris, tiny_model)
 

@@ -392,8 +392,8 @@ def run(
         loss_sum = torch.zeros((), device=device)  # on the device: no sync per batch
         first_done = time.perf_counter()
         pulse("waiting for the first batch", engine.global_steps)
-        rows = first_epoch.result() if first_epoch and epoch == 0 else drawn(spec.plan.micro_batch, cfg, epoch)
-        for batch in islice(training_batches(rows, cfg, pad_id, epoch, pin=pin), done, None):
+        stream = first_epoch.result() if first_epoch and epoch == 0 else drawn(spec.plan.micro_batch, cfg, epoch)
+        for batch in islice(training_batches(stream, cfg, pad_id, epoch, pin=pin), done, None):
             marks.first_batch = marks.first_batch or time.time()
             rows = int((batch["labels"] != IGNORED).sum())  # this worker's, before its replica joins them
             steps_before = engine.global_steps
