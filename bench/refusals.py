@@ -41,7 +41,8 @@ def cases(folder: Path) -> dict[str, list[str]]:
         "run: no such model": ["run", "--set", "model.name_or_path=/nonexistent/model"],
         "infer: no such model": ["infer", "/nonexistent/model", TEST, f"{folder}/out"],
         "infer: no champion": ["infer", "models/nobody@champion", TEST, f"{folder}/out", "--storage-root", str(folder)],
-        "too many workers (the flow, before tokenizing)": ["run", "--set", "train.num_workers=64"],
+        "too many workers (the flow, before tokenizing)": ["run"]
+        + ["--set", "train.num_workers=64", "--set", "train.batch_size=64"],
     }
 
 

@@ -71,6 +71,11 @@ def model_hub():
             ["run", "--params", "{file}"],
             "ftflow run: {file}: data: unknown parameter 'train': did you mean 'train_uri'?",
         ),
+        (
+            ["run", "--set", "train.batch_size=7", "--set", "train.num_workers=2"],
+            "ftflow run: train: batch_size=7 is not divisible by 2 workers x micro_batch_size=3; use a batch_size that "
+            "is a multiple of 6 or change micro_batch_size/num_workers",
+        ),
         (["run", "--epochs", "3"], "ftflow run: No such option: --epochs (see --help)"),
         (
             ["infer", "m", "in.jsonl", "out", "--device", "tpu"],

@@ -245,7 +245,7 @@ def test_bad_input_stops_the_flow_before_anything_is_written(tiny_model, small_d
 
 def test_a_plan_the_cluster_cannot_run_is_refused_before_tokenizing(ray_cluster, tiny_model, small_data, tmp_path):
     too_many = params(tiny_model, small_data, str(tmp_path / "store"))
-    too_many.train.num_workers = 64
+    too_many.train.batch_size, too_many.train.num_workers = 64, 64  # a batch the workers split: the cluster decides
     with pytest.raises(
         ValueError, match="^num_workers=64 but the Ray cluster fits \\d+ .* and no autoscaler serves it to add nodes"
     ):

@@ -56,10 +56,10 @@ def test_gpu_cluster_gets_one_worker_per_gpu_and_mixed_precision():
 @pytest.mark.parametrize(
     ("cfg", "resources", "message"),
     [
-        (
-            TrainConfig(batch_size=20, num_workers=2, micro_batch_size=4),
+        (  # the workers as the cluster has them: 2 CPUs at 1 per worker
+            TrainConfig(batch_size=31, cpus_per_worker=1),
             LAPTOP,
-            "batch_size=20 is not divisible by 2 workers x micro_batch_size=4; use a batch_size that is a multiple of 8",
+            "batch_size=31 is not divisible by 2 workers x micro_batch_size=15; use a batch_size that is a multiple of 30",
         ),
         (
             TrainConfig(num_workers=4),
@@ -69,13 +69,7 @@ def test_gpu_cluster_gets_one_worker_per_gpu_and_mixed_precision():
         (TrainConfig(device="gpu"), LAPTOP, "device=gpu but the Ray cluster has no GPU, and no autoscaler to add one"),
         (TrainConfig(precision="fp16"), LAPTOP, "precision=fp16 needs a GPU and this run trains on CPUs"),
         (TrainConfig(activation_offload=True), LAPTOP, "activation_offload moves GPU activations"),
-        (TrainConfig(num_workers=3), GPU_NODE, r"num_workers=3 but the Ray cluster fits 2 \(2 GPUs\)"),
-        (
-            TrainConfig(num_workers=3, tensor_parallel_size=2, cpus_per_worker=0.5),
-            LAPTOP,
-            "num_workers=3 is not a multiple of tensor_parallel_size=2: the workers are groups of 2 that hold one copy of the model; "
-            "use num_workers=2 or 4",
-        ),
+        (TrainConfig(num_workers=3, batch_size=30), GPU_NODE, r"num_workers=3 but the Ray cluster fits 2 \(2 GPUs\)"),
     ],
 )
 def test_what_cannot_run_here_is_refused_with_what_to_change(cfg, resources, message):
@@ -105,6 +99,16 @@ def test_a_cluster_that_grows_is_asked_for_what_the_config_says():
         ({"offload_params": True, "zero_stage": 2}, "offload_params needs zero_stage=3"),
         ({"offload_optimizer": True, "zero_stage": 0}, "offload_optimizer needs zero_stage 1, 2 or 3"),
         ({"batch_size": 30, "micro_batch_size": 8}, "batch_size=30 is not a multiple of micro_batch_size=8"),
+        # Given num_workers, the parameters alone decide these: refused as parameters, not by the plan.
+        (
+            {"batch_size": 20, "num_workers": 2, "micro_batch_size": 4},
+            "batch_size=20 is not divisible by 2 workers x micro_batch_size=4; use a batch_size that is a multiple of 8",
+        ),
+        (
+            {"num_workers": 3, "tensor_parallel_size": 2, "cpus_per_worker": 0.5},
+            "num_workers=3 is not a multiple of tensor_parallel_size=2: the workers are groups of 2 that hold one copy of "
+            "the model; use num_workers=2 or 4",
+        ),
         (
             {"pipeline_parallel_size": 2, "zero_stage": 2},
             "pipeline_parallel_size needs zero_stage 0 or 1 without offload",

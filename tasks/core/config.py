@@ -319,6 +319,42 @@ class TrainConfig(Strict):
                 )
         return self
 
+    @model_validator(mode="after")
+    def _split(self) -> TrainConfig:
+        # Given num_workers, the parameters alone decide it: refused here, in a second, not by the plan.
+        if self.num_workers and (error := self.split_error(self.num_workers)):
+            raise ValueError(error)
+        return self
+
+    @property
+    def model_parallel(self) -> int:
+        """Workers that hold one copy of the model between them: a tensor-parallel group or a pipeline."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def split_field(self) -> str:
+        """The field that splits the model, for messages (at most one is above 1)."""
+        return "tensor_parallel_size" if self.tensor_parallel_size > 1 else "pipeline_parallel_size"
+
+    def split_error(self, workers: int) -> str | None:
+        """What is wrong with `workers` holding whole copies of the model and equal shares of the global
+        batch, if anything: checked at validation where num_workers is given, by the plan against the
+        cluster otherwise (tasks/train/driver.py)."""
+        group = self.model_parallel
+        if workers % group:
+            return (
+                f"num_workers={workers} is not a multiple of {self.split_field}={group}: the workers are groups of "
+                f"{group} that hold one copy of the model; use num_workers={max(group, workers - workers % group)} "
+                f"or {workers - workers % group + group}"
+            )
+        micro = self.micro_batch_size or self.batch_size // workers
+        if micro < 1 or self.batch_size % (workers * micro):
+            return (
+                f"batch_size={self.batch_size} is not divisible by {workers} workers x micro_batch_size={micro}; "
+                f"use a batch_size that is a multiple of {workers * max(micro, 1)} or change micro_batch_size/num_workers"
+            )
+        return None
+
 
 # The DeepSpeed keys tasks/train/driver.py `deepspeed_config` derives from a typed field, and the field: a raw
 # override of one would change the engine but not what ftflow reads from the field.

@@ -81,24 +81,14 @@ def worker_cpus(cfg: TrainConfig, resources: cluster.Resources, use_gpu: bool) -
     the slower worker."""
     if cfg.cpus_per_worker or use_gpu or resources.can_grow or resources.node_cpus < resources.cpus:
         return cfg.cpus_per_worker or 1
-    return max(1, int(min(resources.cpus, resources.node_cpus) // (cfg.num_workers or model_parallel(cfg))))
-
-
-def model_parallel(cfg: TrainConfig) -> int:
-    """Workers that hold one copy of the model between them: a tensor-parallel group or a pipeline."""
-    return cfg.tensor_parallel_size * cfg.pipeline_parallel_size
-
-
-def split_field(cfg: TrainConfig) -> str:
-    """The field that splits the model, for messages (the config allows one above 1)."""
-    return "tensor_parallel_size" if cfg.tensor_parallel_size > 1 else "pipeline_parallel_size"
+    return max(1, int(min(resources.cpus, resources.node_cpus) // (cfg.num_workers or cfg.model_parallel)))
 
 
 def check_parallelism(cfg: TrainConfig, model: ModelConfig) -> None:
     """Refuse a split that the model cannot take, saying what to change, before any cluster work."""
-    if model_parallel(cfg) == 1:
+    if cfg.model_parallel == 1:
         return
-    name, size = split_field(cfg), model_parallel(cfg)
+    name, size = cfg.split_field, cfg.model_parallel
     config = AutoConfig.from_pretrained(model.name_or_path, **hub_free(model.name_or_path))
     if config.model_type not in SPLITTABLE:
         raise ValueError(
@@ -118,25 +108,17 @@ def plan(cfg: TrainConfig, resources: cluster.Resources) -> Plan:
     """Resolve device, workers, micro-batch, accumulation and precision, or say what to change."""
     use_gpu = resources.use_gpu(cfg.device)
     cpus_per_worker = worker_cpus(cfg, resources, use_gpu)
-    workers, group = resources.training_workers(cfg.num_workers, cpus_per_worker, use_gpu), model_parallel(cfg)
-    name = split_field(cfg)
+    workers, group = resources.training_workers(cfg.num_workers, cpus_per_worker, use_gpu), cfg.model_parallel
     if cfg.num_workers is None:
         fits, workers = workers, max(group, workers - workers % group)  # whole groups
         if workers > fits and not resources.can_grow:
             raise ValueError(
-                f"{name}={group} needs {group} workers and the Ray cluster fits {fits}: use a smaller {name}, or a larger cluster"
+                f"{cfg.split_field}={group} needs {group} workers and the Ray cluster fits {fits}: "
+                f"use a smaller {cfg.split_field}, or a larger cluster"
             )
-    elif workers % group:
-        raise ValueError(
-            f"num_workers={workers} is not a multiple of {name}={group}: the workers are groups of {group} that hold "
-            f"one copy of the model; use num_workers={max(group, workers - workers % group)} or {workers - workers % group + group}"
-        )
+    if error := cfg.split_error(workers):
+        raise ValueError(error)
     micro = cfg.micro_batch_size or cfg.batch_size // workers
-    if micro < 1 or cfg.batch_size % (workers * micro):
-        raise ValueError(
-            f"batch_size={cfg.batch_size} is not divisible by {workers} workers x micro_batch_size={micro}; "
-            f"use a batch_size that is a multiple of {workers * max(micro, 1)} or change micro_batch_size/num_workers"
-        )
     if not use_gpu and cfg.precision == "fp16":
         raise ValueError("precision=fp16 needs a GPU and this run trains on CPUs: use fp32 (or auto), or device=gpu")
     if not use_gpu and cfg.activation_offload:
@@ -249,7 +231,7 @@ def deepspeed_config(cfg: TrainConfig, plan: Plan, total_steps: int, hidden_size
     }
     if cfg.tensor_parallel_size > 1:
         derived["tensor_parallel"] = {"autotp_size": cfg.tensor_parallel_size}
-    if model_parallel(cfg) > 1:
+    if cfg.model_parallel > 1:
         # DeepSpeed 0.19.8 checks train_batch_size against micro-batch x accumulation x ranks where
         # it builds an AutoTP engine, against data-parallel ranks alone where ZeRO-3 partitions
         # AutoTP's new layers (zero.Init) and where it builds a pipeline engine: no value passes
