@@ -99,6 +99,7 @@ def test_bad_input_is_one_line_and_exit_code_2(tmp_path, args, line):
         "bad labels",
         "corrupt parquet",
         "unknown bucket",
+        "unwritable folder",
         "no model",
         "infer: no model",
         "infer: no champion",
@@ -133,6 +134,10 @@ def test_data_model_and_storage_are_refused_before_anything_starts(tmp_path, s3_
             ["run", "--set", "storage_root=s3://no-such-bucket/ftflow"],
             "storage_root s3://no-such-bucket/ftflow: bucket 'no-such-bucket' does not exist; ftflow creates no buckets: "
             "create it or fix the name",
+        ),
+        "unwritable folder": (  # root may write anywhere by its permissions, yet /proc takes no folder
+            ["run", "--set", "storage_root=/proc/ftflow"],
+            "storage_root /proc/ftflow: nothing can be written under /proc: ",
         ),
         "no model": (
             ["run", "--set", "model.name_or_path=/nonexistent/model"],

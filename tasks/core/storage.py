@@ -28,6 +28,7 @@ import hashlib
 import json
 import os
 import re
+import tempfile
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,16 +67,19 @@ def exists(uri: str) -> bool:
 
 def check_writable(uri: str, what: str) -> None:
     """Refuse, before any work, a place ftflow cannot write: a bucket that does not exist (s3fs
-    creates one on the first write), or that this machine's credentials cannot write to. The probe is
-    an empty object of ftflow's own, removed at once."""
+    creates one on the first write), or that this machine's credentials cannot write to; a folder
+    under which nothing can be made. The probe is an empty object or folder of ftflow's own, removed
+    at once: permissions alone do not tell (root may write anywhere, yet /proc takes no folder)."""
     if not is_remote(uri):
         existing = Path(normalize(uri))
         while not existing.exists():
             existing = existing.parent
-        if not existing.is_dir():  # os.access says a file is writable, and nothing can go under it
+        if not existing.is_dir():
             raise ValueError(f"{what} {uri}: {existing} is a file, not a folder")
-        if not os.access(existing, os.W_OK):
-            raise ValueError(f"{what} {uri}: {existing} is not writable")
+        try:
+            os.rmdir(tempfile.mkdtemp(prefix=".ftflow-probe-", dir=existing))
+        except OSError as error:
+            raise ValueError(f"{what} {uri}: nothing can be written under {existing}: {error.strerror}") from None
         return
     fs, path = filesystem(uri)
     bucket = path.split("/")[0]
