@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from flows.temporary_api import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 FTFLOW = str(Path(sys.executable).with_name("ftflow"))
@@ -57,9 +58,7 @@ def refused_in(args: list[str], env: dict[str, str]) -> float:
 def main() -> None:
     from moto.server import ThreadedMotoServer
 
-    with socket.socket() as probe:  # a free port for the S3 endpoint
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()  # for the S3 endpoint
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
     server.start()
     endpoint = f"http://127.0.0.1:{port}"

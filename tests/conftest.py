@@ -24,17 +24,12 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from tiny_model import make_tiny_bert  # noqa: E402
 
+from flows.temporary_api import free_port  # noqa: E402 -- the tests' free ports, as the command finds its own
 from tasks.core.config import SHIPPED_DATA  # noqa: E402
 
 S3_KEY, S3_SECRET = "ftflow-test-key", "ftflow-test-secret-do-not-log"
 BUCKET = "ftflow-test"
 FTFLOW = str(Path(sys.executable).with_name("ftflow"))  # the console script, as a person runs it
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")
