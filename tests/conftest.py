@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import socket
@@ -60,12 +61,18 @@ def s3_endpoint():
 
 @pytest.fixture(scope="session")
 def s3_data(small_data, s3_endpoint) -> dict[str, str]:
-    """small_data in the S3 bucket: what every node of a cluster can read."""
+    """small_data in the S3 bucket: what every node of a cluster can read. The training split is
+    gzipped, as corpora often are stored: tokenized and hashed as it is."""
     import boto3
 
-    for path in small_data.values():
-        boto3.client("s3").upload_file(str(path), BUCKET, f"small-data/{path.name}")
-    return {split: f"s3://{BUCKET}/small-data/{path.name}" for split, path in small_data.items()}
+    keys = {}
+    for split, path in small_data.items():
+        key, body = f"small-data/{path.name}", path.read_bytes()
+        if split == "train":
+            key, body = f"{key}.gz", gzip.compress(body, mtime=0)
+        boto3.client("s3").put_object(Bucket=BUCKET, Key=key, Body=body)
+        keys[split] = f"s3://{BUCKET}/{key}"
+    return keys
 
 
 @pytest.fixture(scope="session")

@@ -26,6 +26,8 @@ ROWS = [{"text": "a fine film", "label": 1}, {"text": "a dull film", "label": 0}
 
 
 def write(frame: pd.DataFrame, path, fmt: str):
+    """`frame` in `fmt`, compressed by pandas where the path's last suffix names a codec."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     if fmt == "jsonl":
         frame.to_json(path, orient="records", lines=True)
     elif fmt == "parquet":
@@ -142,6 +144,25 @@ def test_unknown_format_is_refused(tmp_path):
     path.write_text("a fine film\n")
     with pytest.raises(DataError, match=f"{path}: cannot tell the format from '.txt'"):
         load_split("train", str(path), DataConfig())
+    compressed = write(pd.DataFrame(ROWS), tmp_path / "train.parquet.gz", "parquet")
+    with pytest.raises(DataError, match=f"{compressed}: a Parquet file compresses its own pages"):
+        load_split("train", str(compressed), DataConfig())
+
+
+@pytest.mark.parametrize("codec", ["gz", "bz2", "xz", "zst"])
+def test_a_compressed_file_reads_as_its_format_in_one_piece(tmp_path, monkeypatch, codec):
+    """pandas writes train.jsonl.gz compressed, as it reads it: ftflow reads it as it streams, found in
+    a directory too; it cannot be cut by bytes, so it is one piece however small pieces are."""
+    monkeypatch.setattr(data, "PIECE_BYTES", 300)
+    rows = pd.DataFrame({"text": [f"review {i}" for i in range(200)], "label": [i % 2 for i in range(200)]})
+    for fmt in ("jsonl", "csv", "tsv"):
+        path = write(rows, tmp_path / fmt / f"train.{fmt}.{codec}", fmt)
+        split = load_split("train", str(path.parent), DataConfig())
+        assert split.uris == (str(path),) and len(split.pieces) == 1 and split.total_rows == 200
+        read = rows_of(split)
+        assert read["text"].tolist() == rows["text"].tolist() and read["label"].tolist() == rows["label"].tolist()
+        assert split.sha256 == hashlib.sha256(path.read_bytes()).hexdigest(), "the content key: the bytes stored"
+        assert 0.5 < data.rows_per_byte(str(path)) * path.stat().st_size / 200 < 2, "rows per byte as stored"
 
 
 def test_problems_past_the_first_chunk_name_the_row_in_the_file(tmp_path):

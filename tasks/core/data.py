@@ -4,7 +4,8 @@ A split is one or more files, directories or globs. Every problem raises DataErr
 and what is wrong with it, so a bad input stops the flow before Ray starts and before anything is
 written to storage. Files are read in chunks of CHUNK_ROWS rows, here and in the Ray workers, so
 memory follows the chunk size, never the file size; and as pieces of at most PIECE_BYTES, so one
-huge file is still read by many workers at once.
+huge file is still read by many workers at once. A compressed text file (train.jsonl.gz) is read as
+it streams, but as one piece: a compressed stream has no byte offsets to start a piece at.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import PurePosixPath
 
 import pandas as pd
 import pyarrow.parquet as pq
+from fsspec.compression import compr
 
 from tasks.core import storage
 from tasks.core.config import DataConfig
@@ -32,6 +34,9 @@ EXTENSIONS = {
     ".parquet": "parquet",
     ".pq": "parquet",
 }
+# What pandas, Ray Data and `datasets` decompress by the file's last suffix, for every format but
+# Parquet (which compresses its own pages); fsspec's codecs (zstandard for .zst) read them.
+COMPRESSIONS = {".gz": "gzip", ".bz2": "bz2", ".xz": "xz", ".zst": "zstd"}
 SHOWN_ROWS = 5  # rows (or files) quoted in an error message
 CHUNK_ROWS = 10_000  # rows in memory at once per reader of a split's file
 PIECE_BYTES = 8 << 20  # the most of one file a worker task is given: pieces are what tasks balance
@@ -45,15 +50,38 @@ class DataError(ValueError):
     """Input data that ftflow refuses, with the file and the problem in the message."""
 
 
+def compression_of(uri: str) -> str | None:
+    """The codec a file is compressed with, from its last suffix (None: not compressed)."""
+    return COMPRESSIONS.get(PurePosixPath(uri).suffix.lower())
+
+
+def format_suffix(uri: str) -> str:
+    """The suffix that names a file's format: train.jsonl.gz's is '.jsonl'."""
+    path = PurePosixPath(uri)
+    return (path.with_suffix("") if compression_of(uri) else path).suffix.lower()
+
+
+def is_data_file(uri: str) -> bool:
+    return format_suffix(uri) in EXTENSIONS
+
+
 def file_format(uri: str, declared: str = "auto") -> str:
-    if declared != "auto":
-        return declared
-    suffix = PurePosixPath(uri).suffix.lower()
-    if suffix not in EXTENSIONS:
+    suffix = format_suffix(uri)
+    if declared == "auto" and suffix not in EXTENSIONS:
         raise DataError(
             f"{uri}: cannot tell the format from '{suffix}'; name one of {sorted(set(EXTENSIONS.values()))}"
+            f", compressed or not ({', '.join(COMPRESSIONS)})"
         )
-    return EXTENSIONS[suffix]
+    fmt = EXTENSIONS[suffix] if declared == "auto" else declared
+    if fmt == "parquet" and compression_of(uri):
+        raise DataError(f"{uri}: a Parquet file compresses its own pages; give it uncompressed (.parquet)")
+    return fmt
+
+
+def open_data(uri: str):
+    """A data file opened for reading, decompressed as it is read when its suffix names a codec."""
+    fs, path = storage.filesystem(uri)
+    return fs.open(path, "rb", compression=compression_of(uri))
 
 
 @dataclass(frozen=True)
@@ -101,7 +129,7 @@ def cut(uri: str, fmt: str = "auto", piece_bytes: int | None = None) -> list[Pie
             taken += group_bytes
             row += meta.row_group(group).num_rows
         return [*pieces, Piece(uri, start, meta.num_row_groups, taken, file_row=first)]
-    count = max(1, -(-size // piece_bytes)) if fmt == "jsonl" else 1
+    count = max(1, -(-size // piece_bytes)) if fmt == "jsonl" and not compression_of(uri) else 1
     bounds = [size * i // count for i in range(count + 1)]
     return [Piece(uri, start, stop, stop - start) for start, stop in pairwise(bounds)]
 
@@ -135,14 +163,14 @@ def iter_frames(
     """Stream a file, or one piece of it, as DataFrames of at most chunk_rows rows; text stays text
     (no type guessing)."""
     fmt = file_format(uri, fmt)
-    fs, path = storage.filesystem(uri)
-    with fs.open(path, "rb") as f:
+    with open_data(uri) as f:
         if fmt == "parquet":
             groups = range(piece.start, piece.stop) if piece else None
             for batch in pq.ParquetFile(f).iter_batches(batch_size=chunk_rows, row_groups=groups):
                 yield batch.to_pandas()
         elif fmt == "jsonl":
-            lines = io.BufferedReader(_Lines(f, piece.start, piece.stop), 1 << 20) if piece else f
+            whole = piece is None or compression_of(uri)  # a compressed file is one piece
+            lines = f if whole else io.BufferedReader(_Lines(f, piece.start, piece.stop), 1 << 20)
             yield from pd.read_json(lines, lines=True, dtype=False, chunksize=chunk_rows, encoding=TEXT_ENCODING)
         else:
             sep = "\t" if fmt == "tsv" else ","
@@ -199,15 +227,20 @@ def check_columns(files: list[str], text_column: str, id_column: str | None) -> 
 
 
 def rows_per_byte(uri: str, fmt: str = "auto", sample_bytes: int = 1 << 20) -> float:
-    """A file's rows per byte, from its Parquet footer or from the lines in its first MiB: enough to
-    size work from file sizes without reading the corpus."""
-    fmt = file_format(uri, fmt)
+    """A file's rows per byte as stored, from its Parquet footer or from the lines in its first MiB
+    (of text, and per compressed byte read for it where compressed): enough to size work from file
+    sizes without reading the corpus."""
+    fmt, codec = file_format(uri, fmt), compression_of(uri)
     fs, path = storage.filesystem(uri)
-    with fs.open(path, "rb") as f:
+    with fs.open(path, "rb") as raw:
         if fmt == "parquet":
-            return pq.ParquetFile(f).metadata.num_rows / max(1, fs.size(path))
-        head = f.read(sample_bytes)
-    return head.count(b"\n") / max(1, len(head))
+            return pq.ParquetFile(raw).metadata.num_rows / max(1, fs.size(path))
+        if codec is None:
+            head = raw.read(sample_bytes)
+            return head.count(b"\n") / max(1, len(head))
+        with compr[codec](raw, mode="rb") as text:  # zstandard's reader closes `raw` with it
+            lines, read = text.read(sample_bytes).count(b"\n"), raw.tell()
+        return lines / max(1, read)
 
 
 def expand_inputs(uris: str | list[str]) -> list[str]:
@@ -222,7 +255,7 @@ def _expand(uri: str) -> list[str]:
     fs, path = storage.filesystem(uri)
     protocol = uri.split("://")[0] + "://" if storage.is_remote(uri) else ""
     if fs.isdir(path):
-        found = [p for p in fs.find(path) if PurePosixPath(p).suffix.lower() in EXTENSIONS]
+        found = [p for p in fs.find(path) if is_data_file(p)]
     elif any(ch in path for ch in "*?["):
         found = fs.glob(path)
     elif fs.exists(path):
