@@ -127,10 +127,12 @@ def relayed(log: logging.Logger, watch: Callable[[dict[int, Beat]], None] | None
 def tallied(log: logging.Logger, tick_of: Callable[[list[bytes]], Tick], last: bool = False) -> Iterator[str]:
     """A channel for Ray workers to tally their running counts on (tally); while the block runs, every
     REPORT_EVERY_S (and once after it, if last), tick_of(every worker's latest tally) is logged on
-    `log`. How tokenization and batch inference report, as training does, on the key-value store."""
+    `log`, once a worker has tallied: a line of zeros before any work read like a result. How
+    tokenization and batch inference report, as training does, on the key-value store."""
 
     def report() -> None:  # reads `channel`, opened below before the first report
-        log_tick(log, tick_of(tallies(channel)))
+        if counts := tallies(channel):
+            log_tick(log, tick_of(counts))
 
     with relayed(log) as channel, periodically(report, REPORT_EVERY_S, last=last):
         yield channel

@@ -153,29 +153,34 @@ def estimated_rows(sizes: dict[str, int]) -> float:
     return rows_per_byte(next(iter(sizes))) * sum(sizes.values())
 
 
+def progress_tick(counts: list[Counts], parts: int, total_bytes: int, seconds: float) -> Tick:
+    """Rows labelled of the total, and rows/s, from the actors' counts. The total is exact once every
+    part is done; before, an estimate from the bytes done so far (counting rows up front would read
+    the corpus twice), unknown until a part is done."""
+    parts_done, bytes_done, rows_done, labelled = (sum(getattr(c, n) for c in counts) for n in Counts.model_fields)
+    rate = labelled / seconds
+    total = rows_done if parts_done == parts else rows_done * total_bytes / bytes_done if bytes_done else None
+    estimated = "" if parts_done == parts else f" (total estimated; {parts_done}/{parts} parts done)"
+    return Tick(
+        stage="batch inference",
+        done=labelled,
+        total=total,
+        unit="rows",
+        metrics={"rows_per_s": rate},
+        text=f"{rate:,.0f} rows/s{estimated}",
+    )
+
+
 @contextmanager
 def logging_progress(parts: list[dict], logger) -> Iterator[str]:
-    """A channel (tasks/core/progress.py) for the pipeline's actors to tally their counts on, and while the
-    pipeline runs, every REPORT_EVERY_S: rows labelled of the total, and rows/s. The total is exact
-    once every part is done; before, an estimate from the bytes done so far (counting rows up front
-    would read the corpus twice). Ray Data's own progress bars go to the driver's terminal, not to the
-    logs a person follows in the UI."""
+    """A channel (tasks/core/progress.py) for the pipeline's actors to tally their counts on, and while
+    the pipeline runs, every REPORT_EVERY_S once an actor has labelled a window, its progress_tick. Ray
+    Data's own progress bars go to the driver's terminal, not to the logs a person follows in the UI."""
     started, total_bytes = time.perf_counter(), sum(part["size"] for part in parts)
 
     def tick_of(tallies: list[bytes]) -> Tick:
         counts = [Counts.model_validate_json(value) for value in tallies]
-        parts_done, bytes_done, rows_done, labelled = (sum(getattr(c, n) for c in counts) for n in Counts.model_fields)
-        rate = labelled / (time.perf_counter() - started)
-        total = rows_done if parts_done == len(parts) else rows_done * total_bytes / bytes_done if bytes_done else None
-        estimated = "" if parts_done == len(parts) else f" (total estimated; {parts_done}/{len(parts)} parts done)"
-        return Tick(
-            stage="batch inference",
-            done=labelled,
-            total=total,
-            unit="rows",
-            metrics={"rows_per_s": rate},
-            text=f"{rate:,.0f} rows/s{estimated}",
-        )
+        return progress_tick(counts, len(parts), total_bytes, time.perf_counter() - started)
 
     with tallied(logger, tick_of) as channel:
         yield channel
