@@ -1,7 +1,9 @@
 """The `ftflow` command's terminal: ftflow's own lines (each stage's start and end, what the stages
 report, warnings) and a live bar per stage (without a terminal, a line of its progress every 30 s);
 the rest of the process's output (Ray's workers, DeepSpeed, transformers, Prefect's engine and
-server, every subprocess) goes to a log file kept beside the run (runs/<id>/logs/).
+server, every subprocess) goes to a log file kept beside the run (runs/<id>/logs/). Until the run
+has a folder, and for good where none takes it (`ftflow doctor`, a refused or killed run), the log is
+in the user's state folder (logs_folder), where a person finds it, not in a temporary one.
 
 The process's stdout and stderr file descriptors are pointed at the log file, not only Python's
 streams: Ray's and Prefect's subprocesses, C++ code and warnings print there too. The terminal is
@@ -15,7 +17,6 @@ import math
 import os
 import re
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -147,12 +148,12 @@ def plain(text: str) -> str:
 @contextmanager
 def session(verbose: bool) -> Iterator[Say]:
     """The block's output as described above (verbose: all of it on the terminal, as is). The log
-    file is written in a temporary folder, then kept in the run's folder once the run has said which
-    it is (a run refused before, e.g. for a folder not ftflow's, leaves it in the temporary one)."""
+    file is written in logs_folder(), then moved to the run's folder once the run has said which it
+    is (a run refused before, e.g. for a folder not ftflow's, or killed, leaves it there)."""
     if verbose:
         yield Say(Console(highlight=False))
         return
-    log_file = Path(tempfile.mkdtemp(prefix="ftflow-")) / f"{time.strftime('%Y%m%d-%H%M%S')}.log"
+    log_file = logs_folder() / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
     console = redirect(log_file)
     bars = Progress(
         TextColumn("  {task.description}", table_column=Column(no_wrap=True, min_width=17)),
@@ -175,13 +176,19 @@ def session(verbose: bool) -> Iterator[Say]:
         say.result({"logs": kept(log_file, terminal.run_dir)})
 
 
+def logs_folder() -> Path:
+    """The user's state folder for ftflow's logs (XDG's: $XDG_STATE_HOME, else ~/.local/state)."""
+    folder = Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state") / "ftflow" / "logs"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
 def kept(log_file: Path, run_dir: str | None) -> str:
-    """Where the log file ends up: copied to <run_dir>/logs/ (the temporary one removed: what the
-    process prints on its way out goes to the removed file), or where it is."""
+    """Where the log file ends up: copied to <run_dir>/logs/ (the first one removed: what the process
+    prints on its way out goes to the removed file), or where it is."""
     if run_dir is None:
         return str(log_file)
     kept_at = storage.join(storage.RunStore.at(run_dir).logs, log_file.name)
     storage.write_bytes(kept_at, log_file.read_bytes())
     log_file.unlink()
-    log_file.parent.rmdir()
     return kept_at

@@ -226,11 +226,12 @@ def killed_once_a_checkpoint_is_committed(args: list[str], run_dir: Path, **env:
 def test_a_run_killed_then_run_again_resumes_on_a_quiet_console_then_its_champion_labels_a_corpus(
     tiny_model, small_data, tmp_path, model_hub
 ):
-    """A run killed mid-training leaves no process; the same command again resumes it, showing ftflow's
-    lines only, the full log in the run's folder; then `ftflow infer` with the champion. Neither asks a
-    model hub anything about a model folder, HF_HUB_OFFLINE unset as a user leaves it."""
-    store, (hub, asked) = tmp_path / "store", model_hub
-    online = {"HF_HUB_OFFLINE": "0", "HF_ENDPOINT": hub}
+    """A run killed mid-training leaves no process, and its log in the user's state folder, not in /tmp;
+    the same command again resumes it, showing ftflow's lines only, the full log in the run's folder;
+    then `ftflow infer` with the champion. Neither asks a model hub anything about a model folder,
+    HF_HUB_OFFLINE unset as a user leaves it."""
+    store, (hub, asked), logs = tmp_path / "store", model_hub, tmp_path / "state" / "ftflow" / "logs"
+    online = {"HF_HUB_OFFLINE": "0", "HF_ENDPOINT": hub, "XDG_STATE_HOME": str(tmp_path / "state")}
     (tmp_path / "params.yaml").write_text(
         yaml.safe_dump(params(tiny_model, small_data, str(store)).model_dump(mode="json"))
     )
@@ -238,6 +239,8 @@ def test_a_run_killed_then_run_again_resumes_on_a_quiet_console_then_its_champio
     args = ["run", "--params", str(tmp_path / "params.yaml"), "--set", "run_id=killed", "--set", "train.epochs=1"]
     args += ["--set", "train.checkpoint_every_steps=10", "--set", "promotion.min_score=0"]
     killed_once_a_checkpoint_is_committed(args, store / "runs" / "killed", **online)
+    [killed_log] = logs.iterdir()
+    assert "Beginning flow run" in killed_log.read_text()
 
     run = ftflow(*args, timeout=600, **online)
     assert run.returncode == 0 and run.stderr == "", run.stdout + run.stderr
@@ -254,6 +257,7 @@ def test_a_run_killed_then_run_again_resumes_on_a_quiet_console_then_its_champio
     )  # no bar on a pipe
     [log] = (run_dir / "logs").iterdir()
     assert re.search(r"Finished in state Completed", log.read_text()) and "train: 60 / 64 steps" in log.read_text()
+    assert list(logs.iterdir()) == [killed_log], "the run's log moved to its folder"
     history = read_json(str(run_dir / "manifest.json"))["metrics"]["training"]["history"]
     assert history[-1]["resumed_from_step"] >= 10, "the re-run trained from step 0"
 

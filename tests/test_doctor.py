@@ -21,13 +21,13 @@ def checks_and_log(stdout: str) -> tuple[dict[str, str], list[str]]:
 
 def test_every_check_passes_on_a_cpu_machine_with_the_gpu_ones_skipped(tmp_path):
     store = tmp_path / "store"
-    run = ftflow("doctor", "--storage-root", str(store), timeout=300)
+    run = ftflow("doctor", "--storage-root", str(store), timeout=300, XDG_STATE_HOME=str(tmp_path / "state"))
     assert run.returncode == 0 and run.stderr == "", run.stdout + run.stderr
     checks, others = checks_and_log(run.stdout)
     assert list(checks) == CHECKS, run.stdout
-    assert [line for line in others if not line.startswith("logs: ")] == [], (
-        run.stdout
-    )  # Ray's and DeepSpeed's output: in the log
+    # Ray's and DeepSpeed's output: in the log, in the user's state folder (not /tmp)
+    [log] = (tmp_path / "state" / "ftflow" / "logs").iterdir()
+    assert others == [f"logs: {log}"] and "(RayTrainWorker pid=" in log.read_text(), run.stdout
     assert re.fullmatch(r"✓ ray: 1 node, \d+ CPUs, 0 GPUs at \S+", checks["ray"])
     assert re.fullmatch(
         r"✓ train: one DeepSpeed step \(ZeRO-0, fp32\) of a tiny BERT on 2 CPU worker\(s\): loss \d+\.\d{4}",
