@@ -11,7 +11,7 @@ from ray.train import RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
 from tasks.core import cluster
-from tasks.train.driver import Trainer
+from tasks.train.trainer import Trainer
 
 
 def seconds(trainer_class: type, name: str) -> float:

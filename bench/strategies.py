@@ -53,8 +53,8 @@ from tasks.core.storage import RunStore  # noqa: E402
 from tasks.tokenize.driver import load_tokenizer, tokenize_key  # noqa: E402
 from tasks.tokenize.task import tokenize  # noqa: E402
 from tasks.train.batches import collate  # noqa: E402
+from tasks.train.engine import param_groups  # noqa: E402
 from tasks.train.task import train  # noqa: E402
-from tasks.train.worker import param_groups  # noqa: E402
 
 LABELS = ["negative", "positive"]
 LEARNING_RATE = 1e-4  # every row alike: the speed compared does not depend on it

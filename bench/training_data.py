@@ -37,9 +37,9 @@ from tasks.core import cluster  # noqa: E402
 from tasks.core.config import DataConfig, ModelConfig, TrainConfig  # noqa: E402
 from tasks.core.data import load_splits  # noqa: E402
 from tasks.core.storage import RunStore  # noqa: E402
+from tasks.tokenize.contract import SHARD_SCHEMA  # noqa: E402
 from tasks.tokenize.driver import load_tokenizer, tokenize_key  # noqa: E402
 from tasks.tokenize.task import tokenize  # noqa: E402
-from tasks.tokenize.worker import SHARD_SCHEMA  # noqa: E402
 from tasks.train.task import train  # noqa: E402
 
 LABELS = ["negative", "positive"]

@@ -2,7 +2,7 @@
 registered with a work pool for a cluster (`ftflow deploy`, flows/cli.py).
 
     finetune/retrain          on the schedule in retrain.yaml (cron, time zone), with its parameters; and
-                              on a "new data" event (tasks/core/events.py), training on the event's train_uri
+                              on a "new data" event (tasks/prefect_side/events.py), training on the event's train_uri
     batch_infer/on-promotion  on a promotion event of relabel.yaml's registry entry: its corpus labelled
                               with the new champion, into <storage_root>/labels/<entry>/<run id>/
     batch_infer/on-demand     no schedule: runs are triggered from the UI, the CLI or the API
@@ -27,7 +27,7 @@ from pydantic import ValidationError
 from flows.batch_infer import batch_infer
 from flows.finetune import finetune
 from tasks.core.config import BatchInferParams, FinetuneParams, SafeName, Strict, one_line
-from tasks.core.events import DATA_ARRIVED, PROMOTED
+from tasks.prefect_side.events import DATA_ARRIVED, PROMOTED
 from tasks.train.task import TRAINING_TAG
 
 RETRAIN_CONFIG = Path(__file__).with_name("retrain.yaml")

@@ -306,10 +306,10 @@ def new_data(
 ) -> None:
     """Tell the Prefect server at PREFECT_API_URL that new training data is there: finetune/retrain trains on it.
 
-    The event ftflow.data.arrived (tasks/core/events.py) triggers the retraining deployment (deployments/definitions.py)."""
+    The event ftflow.data.arrived (tasks/prefect_side/events.py) triggers the retraining deployment (deployments/definitions.py)."""
     from prefect.settings import PREFECT_API_URL
 
-    from tasks.core.events import DATA_ARRIVED, data_arrived
+    from tasks.prefect_side.events import DATA_ARRIVED, data_arrived
 
     if not PREFECT_API_URL.value():
         raise BadInput(

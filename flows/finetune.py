@@ -18,7 +18,7 @@ from tasks.report.task import Stopwatch, publish_report
 from tasks.report.tracking import import_beside, track
 from tasks.tokenize.driver import load_tokenizer, tokenize_key
 from tasks.tokenize.task import tokenize
-from tasks.train.driver import check_parallelism
+from tasks.train.plan import check_parallelism
 from tasks.train.task import check_training_plan, train
 from tasks.validate.checks import run_inputs
 

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import atexit
 import gzip
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -17,8 +22,16 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-# Every training worker of every test checks that each collective's tensor is on its training device
-# (tasks/train/devices.py): what NCCL demands, which gloo on a CPU would let pass.
+# The tests' hooks inside every process the session starts, Ray's workers included (tests/hooks/):
+# set before any Ray starts, so that its workers inherit them. Every training worker of every test
+# checks that each collective's tensor is on its training device (tests/hooks/devices.py): what NCCL
+# demands, which gloo on a CPU would let pass.
+HOOKS_DIR = Path(tempfile.mkdtemp(prefix="ftflow-test-hooks-"))
+atexit.register(shutil.rmtree, HOOKS_DIR, ignore_errors=True)
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    filter(None, [str(Path(__file__).parent / "hooks"), os.environ.get("PYTHONPATH")])
+)
+os.environ["FTFLOW_TEST_HOOKS_DIR"] = str(HOOKS_DIR)
 os.environ.setdefault("FTFLOW_TEST_CHECK_DEVICES", "1")
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -226,3 +239,15 @@ def small_data(tmp_path_factory) -> dict[str, Path]:
         balanced = [r for r in rows if r["label"] == 0][: n // 2] + [r for r in rows if r["label"] == 1][: n // 2]
         out[split] = write_jsonl(folder / f"{split}.jsonl", balanced)
     return out
+
+
+@contextmanager
+def fault_injected(step: int, rank: int = 0, hang_s: float = 0.0) -> Iterator[None]:
+    """While the block runs, at optimizer step `step` training worker `rank` raises, or with hang_s
+    waits that long, once per run (tests/hooks/sitecustomize.py)."""
+    fault = HOOKS_DIR / "fault.json"
+    fault.write_text(json.dumps({"step": step, "rank": rank, "hang_s": hang_s}))
+    try:
+        yield
+    finally:
+        fault.unlink()

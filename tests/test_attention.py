@@ -2,7 +2,7 @@
 
 import torch
 
-from tasks.infer.predictor import Predictor
+from tasks.core.predictor import Predictor
 
 
 def test_a_predictor_turns_cudnn_attention_off(tiny_model):

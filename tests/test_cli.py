@@ -15,15 +15,13 @@ import psutil
 import pyarrow.parquet as pq
 import pytest
 import yaml
-from conftest import FTFLOW, free_port, read_jsonl, write_jsonl
+from conftest import FTFLOW, fault_injected, free_port, read_jsonl, write_jsonl
 from test_flow import params
 from test_train import checkpoint_committed
 
 from flows import console
 from tasks.core.config import SHIPPED_DATA, BatchInferParams, FinetuneParams
 from tasks.core.storage import read_json
-from tasks.train.contract import Fault
-from tasks.train.driver import FAULT
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -203,22 +201,22 @@ def killed_once_a_checkpoint_is_committed(args: list[str], run_dir: Path, **env:
     """`ftflow <args>` SIGKILLed once its first checkpoint is committed (its rank 0 then hangs at step 15,
     so that the kill lands in training): within 60 s none of its processes (its Prefect server, its
     Ray's, the watcher) is left."""
-    fault = {FAULT: Fault(step=15, rank=0, hang_s=120).model_dump_json()}
-    driver = subprocess.Popen(
-        [FTFLOW, *args], cwd=ROOT, env=ftflow_env(**env, **fault), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    deadline = time.monotonic() + 300
-    while not checkpoint_committed(run_dir):
-        assert driver.poll() is None and time.monotonic() < deadline, (
-            "the run ended or took too long before its first checkpoint"
+    with fault_injected(step=15, rank=0, hang_s=120):
+        driver = subprocess.Popen(
+            [FTFLOW, *args], cwd=ROOT, env=ftflow_env(**env), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
         )
-        time.sleep(0.1)
-    started = psutil.Process(driver.pid).children(recursive=True)
-    assert any("raylet" in " ".join(p.cmdline()) for p in started) and any(
-        "uvicorn" in " ".join(p.cmdline()) for p in started
-    )
-    driver.kill()
-    driver.wait()
+        deadline = time.monotonic() + 300
+        while not checkpoint_committed(run_dir):
+            assert driver.poll() is None and time.monotonic() < deadline, (
+                "the run ended or took too long before its first checkpoint"
+            )
+            time.sleep(0.1)
+        started = psutil.Process(driver.pid).children(recursive=True)
+        assert any("raylet" in " ".join(p.cmdline()) for p in started) and any(
+            "uvicorn" in " ".join(p.cmdline()) for p in started
+        )
+        driver.kill()
+        driver.wait()
     _, left = psutil.wait_procs(started, timeout=60)
     assert not left, f"still running 60 s after the driver was killed: {[' '.join(p.cmdline())[:80] for p in left]}"
 

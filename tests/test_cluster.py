@@ -449,7 +449,7 @@ def test_a_fit_on_the_local_ray_starts_no_placement_group_cleaner(ray_cluster, t
     from ray._private import state
     from ray.train import RunConfig, ScalingConfig
 
-    from tasks.train.driver import Trainer
+    from tasks.train.trainer import Trainer
 
     def cleaners() -> int:
         return sum("PlacementGroupCleaner" in actor["ActorClassName"] for actor in state.actors().values())

@@ -10,7 +10,7 @@ import pytest
 from conftest import BUCKET, write_jsonl
 
 from tasks.core import data, storage
-from tasks.core.config import DataConfig
+from tasks.core.config import DataConfig, InferenceConfig
 from tasks.core.data import (
     CHUNK_ROWS,
     DataError,
@@ -19,8 +19,8 @@ from tasks.core.data import (
     labelled_frames,
     load_split,
     load_splits,
-    unlabelled_files,
 )
+from tasks.validate.checks import files_to_label
 
 ROWS = [{"text": "a fine film", "label": 1}, {"text": "a dull film", "label": 0}, {"text": "great", "label": 1}]
 
@@ -92,7 +92,7 @@ def test_a_utf8_byte_order_mark_is_read_as_if_absent(tmp_path, monkeypatch, requ
         assert len(split.pieces) == (1 if fmt == "csv" else 7)
         assert rows_of(split)[["text", "label"]].reset_index(drop=True).equals(rows)
         assert split.sha256 == hashlib.sha256(path.read_bytes()).hexdigest()
-        assert unlabelled_files(uri, "text", None) == [uri]
+        assert files_to_label(InferenceConfig(input_uri=uri, text_column="text", id_column=None)) == [uri]
         assert (
             pd.concat([frame for piece in split.pieces for frame in iter_frames(uri, piece=piece)])["text"].tolist()
             == rows["text"].tolist()
@@ -251,13 +251,15 @@ def test_a_corrupt_file_of_any_format_is_refused_naming_it(tmp_path, fmt):
     with pytest.raises(DataError, match=f"^{path}: cannot be read as {fmt}: "):
         load_split("train", str(path), DataConfig())
     with pytest.raises(DataError, match=f"^{path}: cannot be read as {fmt}: "):
-        unlabelled_files(str(path), "text", None)
+        files_to_label(InferenceConfig(input_uri=str(path), text_column="text", id_column=None))
 
 
 def test_files_to_label_without_the_text_or_id_column_are_refused(tmp_path):
     path = write_jsonl(tmp_path / "corpus" / "reviews.jsonl", [{"body": "no text column", "doc": "d1"}])
     with pytest.raises(DataError, match=f"^{path}: column 'text' not found; columns are \\['body', 'doc'\\]"):
-        unlabelled_files(str(tmp_path / "corpus"), "text", None)
+        files_to_label(InferenceConfig(input_uri=str(tmp_path / "corpus"), text_column="text", id_column=None))
     with pytest.raises(DataError, match=f"^{path}: column 'id' not found"):
-        unlabelled_files(str(tmp_path / "corpus"), "body", "id")
-    assert unlabelled_files(str(tmp_path / "corpus"), "body", "doc") == [str(path)]
+        files_to_label(InferenceConfig(input_uri=str(tmp_path / "corpus"), text_column="body", id_column="id"))
+    assert files_to_label(InferenceConfig(input_uri=str(tmp_path / "corpus"), text_column="body", id_column="doc")) == [
+        str(path)
+    ]

@@ -2,24 +2,14 @@
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForSequenceClassification
+from tiny_model import tiny_config
+from transformers import AutoModelForSequenceClassification
 
 from tasks.core.first_token import FIRST_TOKEN_CLASSIFIERS, last_layer_at_first_token
 
 
 def tiny(model_type: str, dropout: float = 0.0) -> torch.nn.Module:
-    config = AutoConfig.for_model(
-        model_type,
-        vocab_size=100,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=64,
-        max_position_embeddings=64,
-        num_labels=3,
-        hidden_dropout_prob=dropout,
-        attention_probs_dropout_prob=dropout,
-    )
+    config = tiny_config(model_type, num_labels=3, hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
     torch.manual_seed(0)
     return AutoModelForSequenceClassification.from_config(config, attn_implementation="sdpa")
 

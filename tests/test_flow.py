@@ -38,9 +38,9 @@ from flows.finetune import finetune
 from tasks.core import storage
 from tasks.core.config import DataConfig, FinetuneParams, ModelConfig, TrainConfig
 from tasks.core.data import DataError
+from tasks.core.predictor import Predictor
 from tasks.core.storage import MARKER
 from tasks.core.text import local_model
-from tasks.infer.predictor import Predictor
 
 
 def params(tiny_model, data: dict, root: str) -> FinetuneParams:

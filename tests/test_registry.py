@@ -27,8 +27,9 @@ from tasks.core import storage
 from tasks.core.config import DataConfig, FinetuneParams, PromotionConfig
 from tasks.core.data import load_splits
 from tasks.core.storage import MARKER, RunStore
-from tasks.evaluate.driver import Metrics, score
-from tasks.promote.registry import resolve
+from tasks.evaluate.contract import Metrics
+from tasks.promote.contract import resolve
+from tasks.promote.rescore import score
 from tasks.promote.task import Decision, promote
 from tasks.report.manifest import Results
 from tasks.report.task import summary as report_summary

@@ -10,7 +10,7 @@ from ray.exceptions import GetTimeoutError
 from ray.train.v2.api.exceptions import WorkerGroupError
 
 from tasks.core.data import DataError
-from tasks.core.retries import transient
+from tasks.prefect_side.retries import transient
 
 
 def caused_by(cause: BaseException, error: BaseException) -> BaseException:

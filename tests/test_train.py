@@ -17,8 +17,9 @@ import psutil
 import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import read_jsonl, write_jsonl
-from transformers import AutoModelForSequenceClassification, AutoTokenizer, BertConfig, BertForSequenceClassification
+from conftest import fault_injected, read_jsonl, write_jsonl
+from tiny_model import make_tiny_bert
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from tasks.core.config import DataConfig, ModelConfig, TrainConfig
 from tasks.core.data import load_splits
@@ -26,8 +27,8 @@ from tasks.core.storage import RunStore
 from tasks.core.text import padded
 from tasks.tokenize.driver import load_tokenizer, tokenize_key
 from tasks.tokenize.task import tokenize
-from tasks.train.contract import STATE_FILE, EpochRecord, Fault, Result
-from tasks.train.driver import FAULT, planned
+from tasks.train.contract import STATE_FILE, EpochRecord, Result
+from tasks.train.plan import planned
 from tasks.train.task import train
 
 LABELS = ["negative", "positive"]
@@ -203,7 +204,6 @@ def test_a_killed_and_a_failed_worker_resume_from_the_last_checkpoint(tokenized,
     run_dir = Path(root) / "runs" / "killed"
     # The fault's step comes ~90 steps (~3 s) after the first checkpoint, at which the worker is killed:
     # the kill lands first, the fault in the attempt after it.
-    monkeypatch.setenv(FAULT, Fault(step=105, rank=1).model_dump_json())
     cfg = TrainConfig(
         epochs=2, batch_size=16, learning_rate=2e-3, num_workers=2, checkpoint_every_steps=10, max_failures=2
     )
@@ -211,7 +211,8 @@ def test_a_killed_and_a_failed_worker_resume_from_the_last_checkpoint(tokenized,
     killer = threading.Thread(target=kill_a_worker_once_a_checkpoint_is_committed, args=(run_dir, killed, stop))
     killer.start()
     try:
-        trained = fit(uris, tiny_model, cfg, run_dir)
+        with fault_injected(step=105, rank=1):
+            trained = fit(uris, tiny_model, cfg, run_dir)
     finally:
         stop.set()
         killer.join()
@@ -241,9 +242,8 @@ def test_a_killed_and_a_failed_worker_resume_from_the_last_checkpoint(tokenized,
 
 def test_the_last_failed_attempt_fails_with_the_workers_own_exception(tokenized, tiny_model, monkeypatch, said):
     root, uris = tokenized
-    monkeypatch.setenv(FAULT, Fault(step=3, rank=0).model_dump_json())
     cfg = TrainConfig(epochs=1, max_steps=10, batch_size=16, num_workers=2, max_failures=0)
-    with pytest.raises(RuntimeError) as failed:
+    with pytest.raises(RuntimeError) as failed, fault_injected(step=3, rank=0):
         fit(uris, tiny_model, cfg, Path(root) / "runs" / "failed")
     assert re.fullmatch(r"injected fault at step 3, at [\d.]+", str(failed.value))
     assert [message for _, _, message in said if "failed" in message] == [
@@ -263,9 +263,9 @@ def test_a_stalled_run_writes_a_stall_report_and_says_where_it_is(tokenized, tin
     phase and the top stack frame; the run goes on once the worker does."""
     root, uris = tokenized
     run_dir = Path(root) / "runs" / "stalled"
-    monkeypatch.setenv(FAULT, Fault(step=5, rank=0, hang_s=15).model_dump_json())
     cfg = TrainConfig(epochs=1, max_steps=10, batch_size=16, num_workers=2, stall_warning_s=4)
-    trained = fit(uris, tiny_model, cfg, run_dir)
+    with fault_injected(step=5, rank=0, hang_s=15):
+        trained = fit(uris, tiny_model, cfg, run_dir)
 
     # (Workers slower to start than stall_warning_s, as here, have a report of their own.)
     [line] = [
@@ -324,19 +324,8 @@ def test_evaluating_more_often_trains_the_same_model(tokenized, tiny_model, tmp_
 def wide_model(tiny_model, tmp_path_factory) -> Path:
     """A 57M-parameter BERT (hidden 768, 8 layers) on the tiny model's tokenizer: big enough that
     model state, not the Python and torch runtime, decides a worker's memory, with 2 workers."""
-    folder = tmp_path_factory.mktemp("wide-bert")
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
-    config = BertConfig(
-        vocab_size=tokenizer.vocab_size,
-        hidden_size=768,
-        num_hidden_layers=8,
-        num_attention_heads=12,
-        intermediate_size=3072,
-        num_labels=2,
-    )
-    BertForSequenceClassification(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
+    sizes = {"hidden_size": 768, "num_hidden_layers": 8, "num_attention_heads": 12, "intermediate_size": 3072}
+    return make_tiny_bert(tmp_path_factory.mktemp("wide-bert"), **sizes)
 
 
 def test_zero3_holds_less_memory_per_worker_than_zero0(wide_model, small_data, tmp_path):

@@ -8,7 +8,8 @@ from transformers import BertConfig, DistilBertConfig
 
 from tasks.core.cluster import Resources
 from tasks.core.config import ModelConfig, TrainConfig
-from tasks.train.driver import check_parallelism, deepspeed_config, plan
+from tasks.train.deepspeed_config import deepspeed_config
+from tasks.train.plan import check_parallelism, plan
 
 LAPTOP, GPU_NODE = Resources(cpus=2, gpus=0), Resources(cpus=16, gpus=2)
 # KubeRay's shipped cluster at rest: a head that takes no work, a GPU group scaled to zero.

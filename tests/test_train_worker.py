@@ -12,10 +12,10 @@ from ray.train import RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
 from tasks.core.config import TrainConfig
-from tasks.tokenize.worker import SHARD_SCHEMA
+from tasks.tokenize.contract import SHARD_SCHEMA
 from tasks.train.batches import training_batches
 from tasks.train.contract import IGNORED
-from tasks.train.driver import data_config, split
+from tasks.train.ingest import data_config, split
 from tasks.train.stream import drawn
 
 

@@ -12,12 +12,28 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer
-from transformers import BertConfig, BertForSequenceClassification, PreTrainedTokenizerFast
+from transformers import AutoConfig, BertForSequenceClassification, PretrainedConfig, PreTrainedTokenizerFast
 
 VOCABULARY = Path(__file__).with_name("tiny_tokenizer.json")
+# The suite's small encoder, unless a test asks for other sizes.
+SIZES = {
+    "vocab_size": 100,
+    "hidden_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "intermediate_size": 64,
+    "max_position_embeddings": 64,
+    "num_labels": 2,
+}
 
 
-def make_tiny_bert(directory: Path) -> Path:
+def tiny_config(model_type: str = "bert", **sizes) -> PretrainedConfig:
+    return AutoConfig.for_model(model_type, **(SIZES | sizes))
+
+
+def make_tiny_bert(directory: Path, **sizes) -> Path:
+    """A BERT on the tiny vocabulary, saved with its tokenizer: the suite's model (hidden 64, 2 layers)
+    unless other sizes are given."""
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=Tokenizer.from_file(str(VOCABULARY)),
         unk_token="[UNK]",
@@ -27,15 +43,8 @@ def make_tiny_bert(directory: Path) -> Path:
         mask_token="[MASK]",
         model_max_length=512,
     )
-    config = BertConfig(
-        vocab_size=tokenizer.vocab_size,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=128,
-        max_position_embeddings=512,
-        num_labels=2,
-    )
+    shape = {"hidden_size": 64, "num_attention_heads": 2, "intermediate_size": 128} | sizes
+    config = tiny_config(vocab_size=tokenizer.vocab_size, max_position_embeddings=512, **shape)
     with torch.random.fork_rng():  # the same weights in every session, the session's own RNG untouched
         torch.manual_seed(0)
         BertForSequenceClassification(config).save_pretrained(directory)

@@ -34,15 +34,6 @@ def default_storage_root() -> str:
     return os.environ.get("FTFLOW_STORAGE_ROOT", str(PROJECT_ROOT / "artifacts"))
 
 
-def hub_free(name_or_path: str) -> dict:
-    """from_pretrained's arguments that keep it off the model hub for a folder or a path (the CLI and
-    the deployments do not set HF_HUB_OFFLINE): where packets are dropped, a hub question waits ~10 s.
-    transformers 5.23 asks nothing about an existing folder even without this (measured: no
-    connection); it keeps that so across versions, and a path missing on a node fails at once."""
-    path = Path(name_or_path).expanduser()
-    return {"local_files_only": True} if "://" in name_or_path or path.is_absolute() or path.is_dir() else {}
-
-
 # A run id or model name: it becomes a folder in storage, so it must stay one (no '/', no '..').
 SafeName = Annotated[str, AfterValidator(lambda value: safe_name(value, "name"))]
 

@@ -208,13 +208,6 @@ def columns_of(uri: str, fmt: str = "auto") -> list[str] | None:
         return None if first is None else list(first.columns)
 
 
-def unlabelled_files(uris: str | list[str], text_column: str, id_column: str | None) -> list[str]:
-    """Files to label: each found, read as its format, holding the text (and id) column."""
-    files = expand_inputs(uris)
-    check_columns(files, text_column, id_column)
-    return files
-
-
 def check_columns(files: list[str], text_column: str, id_column: str | None) -> None:
     """Each file, read as its format, holds the text (and id) column."""
     for uri in files:

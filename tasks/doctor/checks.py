@@ -21,8 +21,10 @@ from ray.util.queue import Queue
 from tasks.core import cluster, jobs, storage
 from tasks.core.config import DataConfig, TrainConfig, first_line
 from tasks.doctor.worker import SEQUENCE_LENGTH, TINY_BERT, NodeReport, StepReport, node_report, one_step
-from tasks.train import driver as train
 from tasks.train.contract import WorkerSpec
+from tasks.train.deepspeed_config import deepspeed_config
+from tasks.train.plan import plan as train_plan
+from tasks.train.trainer import Trainer, worker_exception
 
 T = TypeVar("T")
 # Each Ray check's wait. Seen on a 2-core CPU machine that other jobs kept busy (load 2-15): a local
@@ -174,17 +176,17 @@ def ray_check() -> Check:
 
 def step_checks() -> list[Check]:
     """One DeepSpeed step on up to 2 of the cluster's devices, with the DeepSpeed JSON a run on them
-    would use (tasks/train/driver.py's plan and deepspeed_config, training's defaults); then the all-reduce."""
+    would use (tasks/train/plan.py and deepspeed_config.py, training's defaults); then the all-reduce."""
     resources = cluster.Resources.of_cluster()
     use_gpu = resources.use_gpu("auto")
     cfg = TrainConfig(
         num_workers=min(2, max(1, resources.gpus if use_gpu else int(resources.cpus))), collective_timeout_s=120
     )
-    plan = train.plan(cfg, resources)
+    plan = train_plan(cfg, resources)
     spec = WorkerSpec(
         train=cfg,
         plan=plan,
-        deepspeed=train.deepspeed_config(cfg, plan, total_steps=1, hidden_size=TINY_BERT.hidden_size),
+        deepspeed=deepspeed_config(cfg, plan, total_steps=1, hidden_size=TINY_BERT.hidden_size),
         model="a tiny BERT, built in the worker",
         label_names=DataConfig().label_names,
         max_length=SEQUENCE_LENGTH,
@@ -193,7 +195,7 @@ def step_checks() -> list[Check]:
         model_uri="",
     )  # nothing is exported
     reports = Queue(actor_options={"num_cpus": 0})  # Ray Train returns nothing of the workers'
-    trainer = train.Trainer(
+    trainer = Trainer(
         one_step,
         train_loop_config={"spec": spec.model_dump(), "reports": reports},
         scaling_config=ScalingConfig(
@@ -207,7 +209,7 @@ def step_checks() -> list[Check]:
     try:
         trainer.fit()
     except WorkerGroupError as error:  # Ray's message is "Training failed due to worker errors:", then tracebacks
-        raise train.worker_exception(error) from None
+        raise worker_exception(error) from None
     steps = sorted(
         (StepReport.model_validate(reports.get(timeout=5)) for _ in range(plan.workers)), key=lambda step: step.rank
     )

@@ -1,6 +1,6 @@
 """Stage 3, the Prefect side: held-out metrics of the trained model, stored and shown as Prefect
 artifacts, from the labels the trained engine gave the test split where it was trained
-(tasks/train/worker.py); tasks/evaluate/driver.py computes them."""
+(tasks/train/worker.py); tasks/evaluate/contract.py computes them."""
 
 from __future__ import annotations
 
@@ -9,20 +9,10 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from tasks.core import storage
 from tasks.core.data import Split, shown
-from tasks.core.retries import RETRY_TRANSIENT
 from tasks.core.storage import RunStore
-from tasks.evaluate.driver import Metrics, scored
+from tasks.evaluate.contract import Metrics
+from tasks.prefect_side.retries import RETRY_TRANSIENT
 from tasks.train.contract import Predictions
-
-
-def confusion_markdown(metrics: Metrics) -> str:
-    names = metrics.label_names
-    lines = ["| true \\ predicted | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
-    lines += [
-        f"| **{name}** | " + " | ".join(map(str, row)) + " |"
-        for name, row in zip(names, metrics.confusion_matrix, strict=True)
-    ]
-    return "\n".join(lines)
 
 
 @task(**RETRY_TRANSIENT)
@@ -32,7 +22,7 @@ def evaluate(store: RunStore, test: Split, predictions: Predictions) -> Metrics:
     model_uri = store.model_dir
     if len(predictions.labels) != test.total_rows:
         raise RuntimeError(f"training labelled {len(predictions.labels)} test rows of {test.total_rows}")
-    metrics = scored(predictions, list(test.schema.label_names))
+    metrics = Metrics.of_predictions(predictions, list(test.schema.label_names))
     storage.write_json(store.metrics, metrics.model_dump())
     create_table_artifact(
         key="test-metrics",
@@ -45,7 +35,7 @@ def evaluate(store: RunStore, test: Split, predictions: Predictions) -> Metrics:
     )
     create_markdown_artifact(
         key="confusion-matrix",
-        markdown=f"### Confusion matrix on {shown(test.uris)}\n\n{confusion_markdown(metrics)}\n",
+        markdown=f"### Confusion matrix on {shown(test.uris)}\n\n{metrics.confusion_markdown()}\n",
         description="Rows: true labels; columns: predicted labels",
     )
     get_run_logger().info(

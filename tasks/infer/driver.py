@@ -14,7 +14,8 @@ from tasks.core import cluster, jobs, storage
 from tasks.core.config import InferenceConfig
 from tasks.core.data import cut, expand_inputs, numbered, rows_per_byte
 from tasks.core.progress import Tick, log_tick, tallied
-from tasks.infer.labels import Labelled, completed, file_names
+from tasks.infer.contract import Labelled
+from tasks.infer.labels import completed, file_names
 from tasks.infer.worker import Counts, Labeller
 
 PARTS_PER_ACTOR = 4  # at least, so that the last part to finish is a small share of any actor's work

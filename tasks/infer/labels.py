@@ -1,4 +1,4 @@
-"""What batch inference writes, in one place: the labels' Parquet schema, a window of labels as a table,
+"""What batch inference writes, in one place (its schema: tasks/infer/contract.py): a window of labels as a table,
 the default row ids, and the output folder's record. Also the test split's labels written from the
 labels the trained engine gave it (tasks/train/worker.py), exactly as a model's actors would write
 them: the finetune flow's batch inference of the test split then loads no model again (9.8 s of a
@@ -15,26 +15,12 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.dataset
 import pyarrow.parquet as pq
-from pydantic import BaseModel
 
 from tasks.core import storage
 from tasks.core.config import InferenceConfig
 from tasks.core.data import Split, iter_frames
+from tasks.infer.contract import LABELS_SCHEMA, Labelled
 from tasks.train.contract import Predictions
-
-LABELS_SCHEMA = pa.schema({"id": pa.string(), "text": pa.string(), "label": pa.string(), "score": pa.float32()})
-
-
-class Labelled(BaseModel):
-    """What a batch-inference job labelled, where, and how fast."""
-
-    output_uri: str
-    rows: int
-    files: int
-    seconds: float
-    rows_per_s: float
-    actors: int  # 0: the labels the trained engine gave the test split, written without a model
-    parts: int
 
 
 def file_names(files: list[str]) -> dict[str, str]:

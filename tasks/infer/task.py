@@ -10,10 +10,11 @@ from prefect.artifacts import create_table_artifact
 from tasks.core import jobs
 from tasks.core.config import InferenceConfig
 from tasks.core.data import Split
-from tasks.core.live import Tracked
-from tasks.core.retries import RETRY_TRANSIENT
+from tasks.infer.contract import Labelled
 from tasks.infer.driver import labelled
-from tasks.infer.labels import Labelled, from_predictions
+from tasks.infer.labels import from_predictions
+from tasks.prefect_side.live import Tracked
+from tasks.prefect_side.retries import RETRY_TRANSIENT
 from tasks.train.contract import Predictions
 
 # The stage's progress artifact in the UI: key, description.

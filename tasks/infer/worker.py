@@ -23,7 +23,8 @@ from pydantic import BaseModel
 
 from tasks.core import progress
 from tasks.core.data import DataError, Piece, file_format, iter_frames, reading
-from tasks.infer.labels import LABELS_SCHEMA, labels_table
+from tasks.infer.contract import LABELS_SCHEMA
+from tasks.infer.labels import labels_table
 
 
 class Counts(BaseModel):
@@ -53,7 +54,7 @@ class Labeller:
         precision: str,
         channel: str | None = None,
     ):
-        from tasks.infer.predictor import Predictor  # torch and transformers: in the actor only, not its driver
+        from tasks.core.predictor import Predictor  # torch and transformers: in the actor only, not its driver
 
         self.predictor = Predictor(model_uri, batch_size, threads, precision=precision)
         self.label_names = np.asarray(self.predictor.label_names)

@@ -1,4 +1,4 @@
-"""Stage 3b: the promotion gate, writing the registry's champion pointer (tasks/promote/registry.py).
+"""Stage 3b: the promotion gate, writing the registry's champion pointer (tasks/promote/contract.py).
 
 A model is promoted only above a floor: by default, better than always predicting the test split's
 majority class (a model that learned nothing scores exactly that), else promotion.min_score. Then it
@@ -22,15 +22,16 @@ from datetime import UTC, datetime
 import numpy as np
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
-from pydantic import BaseModel
 
-from tasks.core import events, jobs, storage
+from tasks.core import jobs, storage
 from tasks.core.config import InferenceConfig, PromotionConfig
 from tasks.core.data import Split
-from tasks.core.retries import RETRY_TRANSIENT
 from tasks.core.storage import RunStore
-from tasks.evaluate.driver import Metrics, metrics_of, score
-from tasks.promote.registry import Champion
+from tasks.evaluate.contract import Metrics
+from tasks.prefect_side import events
+from tasks.prefect_side.retries import RETRY_TRANSIENT
+from tasks.promote.contract import Champion, Decision
+from tasks.promote.rescore import score
 
 
 def reading(split: Split) -> dict:
@@ -62,7 +63,7 @@ def floor(metrics: Metrics, cfg: PromotionConfig) -> tuple[float, bool, str]:
     majority = int(actual.argmax())
     one_class = np.zeros((len(actual), len(actual)), dtype=np.int64)
     one_class[:, majority] = actual
-    least = getattr(metrics_of(one_class, metrics.label_names), cfg.metric)
+    least = getattr(Metrics.of_confusion(one_class, metrics.label_names), cfg.metric)
     return (
         least,
         False,
@@ -71,20 +72,6 @@ def floor(metrics: Metrics, cfg: PromotionConfig) -> tuple[float, bool, str]:
             f"'{metrics.label_names[majority]}' (promotion.min_score unset)"
         ),
     )
-
-
-class Decision(BaseModel):
-    """The promotion gate's decision, with why."""
-
-    promoted: bool
-    reason: str
-    floor: str  # the least score, in words
-    model_name: str
-    metric: str
-    challenger: float
-    champion: float | None  # the champion's score on this test split; None when there was none to beat
-    previous_champion_uri: str | None
-    pointer: str
 
 
 @task(**RETRY_TRANSIENT)
@@ -147,18 +134,10 @@ def promote(
         previous_champion_uri=current.model_uri if current else None,
         pointer=pointer,
     )
-    get_run_logger().info("%s (%s)", verdict(decision).replace("`", ""), why)
+    get_run_logger().info("%s (%s)", decision.verdict().replace("`", ""), why)
     create_markdown_artifact(
         key="promotion",
-        markdown=f"### {model_uri}\n\n{verdict(decision)} ({why}).\n\nFloor: {floor_words}.\n\nPointer: `{pointer}`\n",
+        markdown=f"### {model_uri}\n\n{decision.verdict()} ({why}).\n\nFloor: {floor_words}.\n\nPointer: `{pointer}`\n",
         description="The promotion gate's decision",
     )
     return decision
-
-
-def verdict(decision: Decision) -> str:
-    """The decision in a few words (Markdown), for the log, the artifact and the report."""
-    name = decision.model_name
-    return (
-        f"promoted to champion of `{name}`" if decision.promoted else f"not promoted: `{name}`'s champion is unchanged"
-    )

@@ -11,10 +11,10 @@ from prefect import task
 from pydantic import BaseModel
 
 from tasks.core import storage
-from tasks.core.retries import RETRY_TRANSIENT
-from tasks.evaluate.driver import Metrics
-from tasks.infer.labels import Labelled
-from tasks.promote.task import Decision
+from tasks.evaluate.contract import Metrics
+from tasks.infer.contract import Labelled
+from tasks.prefect_side.retries import RETRY_TRANSIENT
+from tasks.promote.contract import Decision
 from tasks.train.contract import Result
 
 PACKAGES = ("torch", "transformers", "tokenizers", "deepspeed", "ray", "prefect", "pyarrow", "fsspec", "s3fs")

@@ -21,12 +21,11 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from tasks.core import storage
 from tasks.core.data import Split
 from tasks.core.progress import STAGE
-from tasks.core.retries import RETRY_TRANSIENT
 from tasks.core.storage import RunStore
-from tasks.evaluate.driver import Metrics
-from tasks.evaluate.task import confusion_markdown
-from tasks.infer.labels import Labelled
-from tasks.promote.task import Decision, verdict
+from tasks.evaluate.contract import Metrics
+from tasks.infer.contract import Labelled
+from tasks.prefect_side.retries import RETRY_TRANSIENT
+from tasks.promote.contract import Decision
 from tasks.report.manifest import Outputs, Results, versions
 from tasks.train.contract import Curve, Marks, Result
 
@@ -137,7 +136,7 @@ def summary(metrics: Metrics, promotion: Decision) -> list[str]:
     return [
         f"Test accuracy **{metrics.accuracy:.4f}**, macro F1 **{metrics.macro_f1:.4f}** on {metrics.rows} rows.",
         "",
-        f"Promotion: **{verdict(promotion)}** ({promotion.reason}).",
+        f"Promotion: **{promotion.verdict()}** ({promotion.reason}).",
         "",
         f"Promotion floor: {promotion.floor}.",
         "",
@@ -242,7 +241,7 @@ def markdown(
         "",
         plot_link("confusion"),
         "",
-        confusion_markdown(results.test),
+        results.test.confusion_markdown(),
         "",
         "## Data",
         "",

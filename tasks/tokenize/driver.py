@@ -15,12 +15,11 @@ from tokenizers import Tokenizer
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from tasks.core import cluster, jobs, storage
-from tasks.core.config import hub_free
 from tasks.core.data import Split
+from tasks.core.models import hub_free, training_model
 from tasks.core.progress import Tick, tallied
 from tasks.core.text import truncating
 from tasks.tokenize.worker import SPLITS, Written, shards, write_shard
-from tasks.validate.checks import training_model
 
 # One Ray task per shard; the function lives in tasks/tokenize/worker.py, so the workers import no Prefect.
 write = ray.remote(num_cpus=cluster.READ_CPUS)(write_shard)

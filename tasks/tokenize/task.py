@@ -20,8 +20,8 @@ from prefect.exceptions import ObjectAlreadyExists
 
 from tasks.core import jobs
 from tasks.core.data import Split
-from tasks.core.live import Tracked
-from tasks.core.retries import RETRY_TRANSIENT
+from tasks.prefect_side.live import Tracked
+from tasks.prefect_side.retries import RETRY_TRANSIENT
 from tasks.tokenize.driver import TokenizeKey, tokenized_shards
 
 # How long a run that died holding a shard set's writer slot keeps it: Prefect renews the lease

@@ -17,9 +17,9 @@ from tokenizers import Tokenizer
 
 from tasks.core import progress, storage
 from tasks.core.data import SPLITS, Piece, Schema, Split, labelled_frames
+from tasks.tokenize.contract import SHARD_SCHEMA
 
 SHARD_BYTES = 256 << 20  # the most input one task tokenizes into one Parquet file
-SHARD_SCHEMA = pa.schema({"row": pa.int64(), "label": pa.int64(), "input_ids": pa.list_(pa.int32())})
 
 
 class Written(BaseModel):

@@ -27,7 +27,7 @@ import torch
 from tasks.core import storage
 from tasks.core.config import TrainConfig
 from tasks.core.text import padded
-from tasks.tokenize.worker import SHARD_SCHEMA
+from tasks.tokenize.contract import SHARD_SCHEMA
 from tasks.train.contract import IGNORED, EvaluationSplit
 
 

@@ -1,6 +1,6 @@
 """What training's driver and workers say to each other, typed: the driver's Plan and WorkerSpec go to
 every worker; rank 0 writes the Result (history, curve, validation predictions) beside the exported
-model as STATE_FILE, and the driver reads it back; a test's Fault rides along. Progress is what a
+model as STATE_FILE, and the driver reads it back. Progress is what a
 checkpoint holds for resume; Choice is what strategy=auto chose. Imports no Prefect, Ray or torch."""
 
 from __future__ import annotations
@@ -63,15 +63,6 @@ class WorkerSpec(BaseModel):
     model_uri: str  # where rank 0 writes the consolidated model
     # validation, and the test split where there is one: the trained engine labels it (Result.test)
     evaluation: dict[str, EvaluationSplit] = {}
-
-
-class Fault(BaseModel):
-    """A fault the tests inject (FTFLOW_TEST_FAULT, as JSON, read by the driver): at optimizer step
-    `step`, worker `rank` raises, or with hang_s waits that long, once per run."""
-
-    step: int
-    rank: int = 0
-    hang_s: float = 0.0
 
 
 class Point(BaseModel):

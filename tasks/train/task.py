@@ -7,11 +7,12 @@ from prefect import get_run_logger, task
 
 from tasks.core import jobs
 from tasks.core.config import ModelConfig, TrainConfig
-from tasks.core.live import Tracked
-from tasks.core.retries import RETRY_TRANSIENT
 from tasks.core.storage import RunStore
+from tasks.prefect_side.live import Tracked
+from tasks.prefect_side.retries import RETRY_TRANSIENT
 from tasks.train.contract import Result
-from tasks.train.driver import check_plan, fit
+from tasks.train.driver import fit
+from tasks.train.plan import check_plan
 
 # Carried by every training task run: a Prefect concurrency limit on this tag (deployments/) keeps
 # two training runs from competing for one Ray cluster.

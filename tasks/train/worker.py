@@ -15,11 +15,10 @@ import logging
 import resource
 import tempfile
 import time
-import warnings
 from collections.abc import Iterator
 from concurrent.futures import Future
 from contextlib import nullcontext
-from datetime import timedelta
+from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
 
@@ -28,23 +27,15 @@ import ray.train
 import ray.train.torch
 import torch
 import torch.distributed as dist
-from ray.experimental import internal_kv
 from ray.train import Checkpoint
-from transformers import AutoModelForSequenceClassification, AutoTokenizer, set_seed
-from transformers.integrations.deepspeed import HfDeepSpeedConfig
 
 from tasks.core import storage
-from tasks.core.attention import without_cudnn_attention
-from tasks.core.config import hub_free
-from tasks.core.first_token import last_layer_at_first_token
-from tasks.core.progress import NAMESPACE, Tick, post, say
-from tasks.train import devices, pipeline
+from tasks.core.progress import Tick, post, say
 from tasks.train.batches import evaluation_batches, training_batches
 from tasks.train.contract import (
     IGNORED,
     STATE_FILE,
     EpochRecord,
-    Fault,
     Marks,
     Point,
     Predictions,
@@ -52,6 +43,7 @@ from tasks.train.contract import (
     Result,
     WorkerSpec,
 )
+from tasks.train.engine import engine_line, setup
 from tasks.train.replica import Replica
 from tasks.train.stream import drawn
 from tasks.train.watch import TRAINING, Pulse
@@ -201,123 +193,6 @@ def export(replica: Replica, tokenizer, spec: WorkerSpec, result: Result) -> Non
     dist.barrier()
 
 
-def build_model(spec: WorkerSpec):
-    # While this object lives, from_pretrained builds a ZeRO-3 model already partitioned (zero.Init):
-    # no worker ever holds the whole model, which is what lets ZeRO-3 fit models that do not fit.
-    # transformers 5.23 refuses to load under zero.Init when the config asks for tensor parallelism
-    # ("Weight conversions ... not yet implemented"): then each worker loads it whole, and the
-    # engine splits it, then partitions its shards.
-    partitioned = spec.train.zero_stage == 3 and spec.train.tensor_parallel_size == 1
-    zero_init = HfDeepSpeedConfig(spec.deepspeed) if partitioned else None  # noqa: F841 (kept alive)
-    names = spec.label_names
-    model = AutoModelForSequenceClassification.from_pretrained(
-        spec.model,
-        num_labels=len(names),
-        id2label=dict(enumerate(names)),
-        label2id={name: i for i, name in enumerate(names)},
-        **hub_free(spec.model),
-    )
-    last_layer_at_first_token(model)
-    if spec.train.activation_checkpointing and spec.train.pipeline_parallel_size == 1:  # stages checkpoint their own
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return model
-
-
-def param_groups(model) -> list[dict]:
-    """Weight decay for weight matrices only, as BERT-style recipes do."""
-    named = list(model.named_parameters())
-    return [
-        {"params": [p for _, p in named if p.ndim > 1]},
-        {"params": [p for _, p in named if p.ndim <= 1], "weight_decay": 0.0},
-    ]
-
-
-def join_process_group(device: torch.device, timeout_s: float) -> None:
-    """DeepSpeed's view of the process group Ray made (with TorchConfig's timeout); DeepSpeed's own
-    groups (ZeRO, tensor and pipeline parallelism) get the same bound instead of its 30 minutes."""
-    import deepspeed
-
-    if device.type == "cpu":
-        # DeepSpeed builds its shared-memory collective op at every init_distributed on CPU (~30 s of
-        # compile on a fresh machine) for DeepSpeed-Inference's all-reduce alone: training's collectives
-        # go through torch.distributed. Marked unavailable, it is not built (DeepSpeed keeps this dict).
-        # Not on CUDA: there the op does not exist, and reading the dict runs DeepSpeed's op probe,
-        # which calls nvcc several times.
-        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    deepspeed.init_distributed(
-        dist_backend="nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=timeout_s)
-    )
-
-
-def precision_of(engine) -> str:
-    return "bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else "fp32"
-
-
-def resolve_precision(spec: WorkerSpec, device: torch.device) -> WorkerSpec:
-    """precision=auto on a GPU (the driver cannot see it): bf16 where the hardware has it, else fp16."""
-    if spec.plan.precision == "auto":
-        precision = "bf16" if torch.cuda.is_bf16_supported() else "fp16"
-        spec = spec.model_copy(
-            update={
-                "deepspeed": spec.deepspeed
-                | {
-                    "bf16": spec.deepspeed["bf16"] | {"enabled": precision == "bf16"},
-                    "fp16": spec.deepspeed["fp16"] | {"enabled": precision == "fp16"},
-                }
-            }
-        )
-    if spec.deepspeed["bf16"]["enabled"] and device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        raise ValueError(f"precision=bf16 but {torch.cuda.get_device_name()} has no bf16: use fp16 or auto")
-    return spec
-
-
-def setup(spec: WorkerSpec, pulse: Pulse) -> tuple:
-    """This worker's part: the process group, the tokenizer, the DeepSpeed engine and its replica."""
-    import deepspeed  # imported in the worker: it probes the accelerator at import
-
-    warnings.filterwarnings("ignore", category=FutureWarning)  # torch.distributed renames used by DeepSpeed
-    deepspeed.utils.logger.setLevel(logging.WARNING)
-    set_seed(spec.train.seed)
-    # The worker's CPU share (1 beside a GPU by default): the host side of a GPU step (collate, the
-    # Python loop) is single-threaded, and offloaded optimizer state steps on cpus_per_worker threads.
-    torch.set_num_threads(max(1, int(spec.plan.cpus_per_worker)))
-    device = ray.train.torch.get_device()
-    without_cudnn_attention()
-    spec = resolve_precision(spec, device)
-    pulse("joining the process group")
-    join_process_group(device, spec.train.collective_timeout_s)
-    pulse("loading the tokenizer")
-    tokenizer = AutoTokenizer.from_pretrained(spec.model, **hub_free(spec.model))
-    tokenizer.model_max_length = spec.max_length  # the exported tokenizer truncates as training did
-    pulse("loading the model")
-    model = build_model(spec)
-    stages = spec.train.pipeline_parallel_size
-    module, names = pipeline.stages(model, stages, spec.train.activation_checkpointing) if stages > 1 else (model, None)
-    pulse("building the DeepSpeed engine")  # its first collective (broadcasting the weights) is NCCL's first connection
-    engine, *_ = deepspeed.initialize(model=module, model_parameters=param_groups(module), config=spec.deepspeed)
-    return engine, device, tokenizer, Replica(engine, spec.plan.accumulation, names, model.config)
-
-
-def engine_line(engine, device: torch.device, seconds: float) -> str:
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    return f"rank 0: engine built on {device} ({name}), {precision_of(engine)}, ZeRO-{engine.zero_optimization_stage()}, in {seconds:.1f} s"
-
-
-def injected(fault: Fault | None, channel: str | None, step: int) -> None:
-    """The tests' fault, if this is its worker and step and it has not fired yet in this run."""
-    if fault is None or fault.step != step or dist.get_rank() != fault.rank:
-        return
-    if not internal_kv._internal_kv_put(
-        f"{channel}fault", b"fired", overwrite=False, namespace=NAMESPACE
-    ):  # False: new key
-        if fault.hang_s:
-            time.sleep(fault.hang_s)
-            return
-        raise RuntimeError(
-            f"injected fault at step {step}, at {time.time():.3f}"
-        )  # when, for the test to time its line
-
-
 def tick(point: Point, max_steps: int, samples_per_s: float) -> Tick:
     return Tick(
         stage="train",
@@ -330,149 +205,181 @@ def tick(point: Point, max_steps: int, samples_per_s: float) -> Tick:
 
 
 def train_worker(config: dict, first_epoch: Future[Iterator[dict]] | None = None) -> None:
-    """A Ray Train worker: the spec, the driver's channel (tasks/core/progress.py) and the tests' hooks
-    from the config, then training, its heartbeats posted (the last one exactly, if it fails).
-    `first_epoch`: the first epoch's rows, already being read (tasks/train/stream.py)."""
+    """A Ray Train worker: the spec and the driver's channel (tasks/core/progress.py) from the config,
+    then training, its heartbeats posted (the last one exactly, if it fails). `first_epoch`: the first
+    epoch's rows, already being read (tasks/train/stream.py)."""
     spec, channel = WorkerSpec.model_validate(config["spec"]), config.get("channel")
-    if config.get("check_devices"):
-        devices.check_collectives(ray.train.torch.get_device())
     with Pulse(channel, ray.train.get_context().get_world_rank()).beating() as pulse:
-        run(spec, channel, pulse, Fault.model_validate(config["fault"]) if config.get("fault") else None, first_epoch)
+        Recipe(spec, channel, pulse).train(first_epoch)
 
 
-def run(
-    spec: WorkerSpec,
-    channel: str | None,
-    pulse: Pulse,
-    fault: Fault | None,
-    first_epoch: Future[Iterator[dict]] | None = None,
-) -> None:
+@dataclass
+class EpochStats:
+    """One epoch's pass: micro-batches done (of the epoch, a resumed run's skipped ones included) and
+    trained here, rows after the first micro-batch, and time: from the first micro-batch's end, less
+    evaluations and checkpoints, for a steady samples/s."""
+
+    done: int
+    loss_sum: torch.Tensor  # of the micro-batches trained, on the device: no sync per batch
+    trained: int = 0
+    samples: int = 0
+    paused: float = 0.0
+    first_done: float = field(default_factory=time.perf_counter)
+    checkpoint_seconds: list[float] = field(default_factory=list)
+
+
+class Recipe:
     """Epochs of micro-batches until the last epoch or max_steps, evaluating and checkpointing on the
-    steps the config names and at every epoch's end; then rank 0 exports the model.
+    steps the config names and at every epoch's end; then the test split labelled and rank 0 exports
+    the model.
 
     Resume: the engine state and the progress come from the last checkpoint; a checkpoint taken
     mid-epoch continues that epoch, reading its first `batches_done` micro-batches again (the same
     ones: the order follows from the seed) and skipping them without computing on them. Nothing is
     trained twice; the dropout masks after the resume differ from an uninterrupted run's.
     """
-    started, cfg, marks = time.perf_counter(), spec.train, Marks(started=time.time())
-    engine, device, tokenizer, replica = setup(spec, pulse)
-    marks.engine_built = time.time()
-    if dist.get_rank() == 0 and channel is not None:
-        say(channel, logging.INFO, engine_line(engine, device, time.perf_counter() - started))
-    pulse("resuming")
-    progress, pad_id, meter, pin = (
-        resume(engine, channel),
-        tokenizer.pad_token_id or 0,
-        Meter(device),
-        device.type == "cuda",
-    )
-    first_epoch, resumed_from, predictions = progress.epoch, engine.global_steps, None
-    nodes: list[str] = [None] * dist.get_world_size()
-    dist.all_gather_object(nodes, ray.get_runtime_context().get_node_id())
 
-    # A lone worker has no gradient to all-reduce, yet ZeRO-0's backward flattens every gradient into
-    # buckets and all-reduces them over a group of one: 5-8% of a MiniLM step here. DeepSpeed's
-    # no_sync skips that (ZeRO 1-3 reduce into their partitions and need it).
-    alone = engine.no_sync if dist.get_world_size() == 1 and cfg.zero_stage == 0 else nullcontext
-
-    def evaluate(position: float) -> None:
-        nonlocal predictions
-        pulse("validating", engine.global_steps)
-        loss, accuracy, predictions = validate(engine, replica, spec, pad_id, device)
-        progress.curve.validation.append(
-            Point(step=engine.global_steps, epoch=round(position, 4), loss=loss, accuracy=accuracy)
+    def __init__(self, spec: WorkerSpec, channel: str | None, pulse: Pulse):
+        self.started, self.marks = time.perf_counter(), Marks(started=time.time())
+        self.engine, self.device, self.tokenizer, self.replica = setup(spec, pulse)
+        self.marks.engine_built = time.time()
+        self.spec, self.cfg, self.channel, self.pulse = spec, spec.train, channel, pulse
+        self.leader = dist.get_rank() == 0 and channel is not None  # says what the run's log shows
+        if self.leader:
+            say(channel, logging.INFO, engine_line(self.engine, self.device, time.perf_counter() - self.started))
+        pulse("resuming")
+        self.progress = resume(self.engine, channel)
+        self.start_epoch, self.resumed_from = self.progress.epoch, self.engine.global_steps
+        self.pad_id, self.meter, self.pin = (
+            self.tokenizer.pad_token_id or 0,
+            Meter(self.device),
+            self.device.type == "cuda",
         )
+        self.predictions: list[int] | None = None  # the last validation's, by row
+        self.nodes: list[str] = [None] * dist.get_world_size()
+        dist.all_gather_object(self.nodes, ray.get_runtime_context().get_node_id())
+        # A lone worker has no gradient to all-reduce, yet ZeRO-0's backward flattens every gradient into
+        # buckets and all-reduces them over a group of one: 5-8% of a MiniLM step here. DeepSpeed's
+        # no_sync skips that (ZeRO 1-3 reduce into their partitions and need it).
+        alone = dist.get_world_size() == 1 and self.cfg.zero_stage == 0
+        self.no_sync = self.engine.no_sync if alone else nullcontext
 
-    for epoch in range(progress.epoch, cfg.epochs):
-        if engine.global_steps >= spec.max_steps:
-            break
-        engine.train()
-        done, trained, samples, paused, checkpoint_seconds = progress.batches_done, 0, 0, 0.0, []
-        loss_sum = torch.zeros((), device=device)  # on the device: no sync per batch
-        first_done = time.perf_counter()
-        pulse("waiting for the first batch", engine.global_steps)
-        stream = first_epoch.result() if first_epoch and epoch == 0 else drawn(spec.plan.micro_batch, cfg, epoch)
-        for batch in islice(training_batches(stream, cfg, pad_id, epoch, pin=pin), done, None):
-            marks.first_batch = marks.first_batch or time.time()
-            rows = int((batch["labels"] != IGNORED).sum())  # this worker's, before its replica joins them
-            steps_before = engine.global_steps
-            for loss, logits, labels in replica.train(
-                replica.join(batch, pad_id), device, cfg.activation_offload, alone
-            ):
-                if replica.leads:
-                    meter.add(loss, logits, labels)
-                loss_sum += loss.detach().float()
-            done, trained = done + 1, trained + 1
-            if trained == 1:
-                first_done, marks.first_step = time.perf_counter(), marks.first_step or time.time()
-            else:
-                samples += rows
-            if engine.global_steps == steps_before:
-                continue
-            step, position, pause_from = engine.global_steps, epoch + done / spec.batches_per_epoch, time.perf_counter()
-            marks.last_step = time.time()
-            pulse(TRAINING, step)
-            injected(fault, channel, step)
-            if step % cfg.log_every_steps == 0:
-                progress.curve.train.append(meter.point(step, position))
-                if dist.get_rank() == 0 and channel is not None:
-                    post(channel, tick(progress.curve.train[-1], spec.max_steps, meter.rows_per_s))
-            last = done == spec.batches_per_epoch or step >= spec.max_steps
-            if cfg.eval_every_steps and step % cfg.eval_every_steps == 0 and not last:
-                evaluate(position)  # the epoch's end is evaluated below
-            if cfg.checkpoint_every_steps and step % cfg.checkpoint_every_steps == 0 and not last:
-                pulse("checkpointing", step)
-                save(
-                    engine,
-                    progress.model_copy(update={"epoch": epoch, "batches_done": done}, deep=True),
-                    {"epoch": position, "step": step},
-                )
-                checkpoint_seconds.append(time.perf_counter() - pause_from)
-            paused += time.perf_counter() - pause_from
-            if step >= spec.max_steps:
+    def train(self, first_epoch: Future[Iterator[dict]] | None) -> None:
+        for epoch in range(self.progress.epoch, self.cfg.epochs):
+            if self.engine.global_steps >= self.spec.max_steps:
                 break
-        elapsed = time.perf_counter() - first_done - paused
-        totals = torch.tensor([loss_sum.item(), trained, samples], dtype=torch.float64, device=device)
+            fresh = first_epoch is not None and epoch == 0  # its rows already being read
+            rows = first_epoch.result() if fresh else drawn(self.spec.plan.micro_batch, self.cfg, epoch)
+            stats = self.train_epoch(epoch, rows)
+            self.end_epoch(epoch, stats)
+        self.finish()
+
+    def train_epoch(self, epoch: int, rows: Iterator[dict]) -> EpochStats:
+        """One epoch's micro-batches (a resumed epoch's done ones skipped), with the triggers of each step."""
+        self.engine.train()
+        stats = EpochStats(done=self.progress.batches_done, loss_sum=torch.zeros((), device=self.device))
+        self.pulse("waiting for the first batch", self.engine.global_steps)
+        for batch in islice(training_batches(rows, self.cfg, self.pad_id, epoch, pin=self.pin), stats.done, None):
+            self.marks.first_batch = self.marks.first_batch or time.time()
+            real_rows = int((batch["labels"] != IGNORED).sum())  # this worker's, before its replica joins them
+            steps_before = self.engine.global_steps
+            for loss, logits, labels in self.replica.train(
+                self.replica.join(batch, self.pad_id), self.device, self.cfg.activation_offload, self.no_sync
+            ):
+                if self.replica.leads:
+                    self.meter.add(loss, logits, labels)
+                stats.loss_sum += loss.detach().float()
+            stats.done, stats.trained = stats.done + 1, stats.trained + 1
+            if stats.trained == 1:
+                stats.first_done, self.marks.first_step = time.perf_counter(), self.marks.first_step or time.time()
+            else:
+                stats.samples += real_rows
+            if self.engine.global_steps > steps_before and self.after_step(epoch, stats):
+                break
+        return stats
+
+    def after_step(self, epoch: int, stats: EpochStats) -> bool:
+        """An optimizer step's triggers: log, validate, checkpoint (the epoch's end does its own);
+        True once max_steps is reached."""
+        step, pause_from = self.engine.global_steps, time.perf_counter()
+        position = epoch + stats.done / self.spec.batches_per_epoch
+        self.marks.last_step = time.time()
+        self.pulse(TRAINING, step)
+        if step % self.cfg.log_every_steps == 0:
+            self.progress.curve.train.append(self.meter.point(step, position))
+            if self.leader:
+                post(self.channel, tick(self.progress.curve.train[-1], self.spec.max_steps, self.meter.rows_per_s))
+        last = stats.done == self.spec.batches_per_epoch or step >= self.spec.max_steps
+        if self.cfg.eval_every_steps and step % self.cfg.eval_every_steps == 0 and not last:
+            self.validate(position)
+        if self.cfg.checkpoint_every_steps and step % self.cfg.checkpoint_every_steps == 0 and not last:
+            self.pulse("checkpointing", step)
+            mid_epoch = self.progress.model_copy(update={"epoch": epoch, "batches_done": stats.done}, deep=True)
+            save(self.engine, mid_epoch, {"epoch": position, "step": step})
+            stats.checkpoint_seconds.append(time.perf_counter() - pause_from)
+        stats.paused += time.perf_counter() - pause_from
+        return step >= self.spec.max_steps
+
+    def validate(self, position: float) -> None:
+        self.pulse("validating", self.engine.global_steps)
+        loss, accuracy, self.predictions = validate(self.engine, self.replica, self.spec, self.pad_id, self.device)
+        self.progress.curve.validation.append(
+            Point(step=self.engine.global_steps, epoch=round(position, 4), loss=loss, accuracy=accuracy)
+        )
+
+    def end_epoch(self, epoch: int, stats: EpochStats) -> None:
+        """Validate, record the epoch, and checkpoint where it ended (mid-epoch when max_steps did)."""
+        whole = stats.done == self.spec.batches_per_epoch
+        self.validate(epoch + stats.done / self.spec.batches_per_epoch)
+        self.progress.history.append(self.epoch_record(epoch, stats))
+        self.progress = self.progress.model_copy(
+            update={"epoch": epoch + 1 if whole else epoch, "batches_done": 0 if whole else stats.done}
+        )
+        self.pulse("checkpointing", self.engine.global_steps)
+        save(self.engine, self.progress, self.progress.history[-1].model_dump())
+
+    def epoch_record(self, epoch: int, stats: EpochStats) -> EpochRecord:
+        elapsed = time.perf_counter() - stats.first_done - stats.paused
+        totals = torch.tensor(
+            [stats.loss_sum.item(), stats.trained, stats.samples], dtype=torch.float64, device=self.device
+        )
         dist.all_reduce(totals)
-        whole = done == spec.batches_per_epoch  # else max_steps ended the run mid-epoch
-        evaluate(epoch + done / spec.batches_per_epoch)
-        progress.history.append(
-            EpochRecord(
-                epoch=round(epoch + done / spec.batches_per_epoch, 4),
-                step=engine.global_steps,
-                resumed_from_step=resumed_from,
-                train_loss=totals[0].item() / max(totals[1].item(), 1),
-                val_loss=progress.curve.validation[-1].loss,
-                val_accuracy=progress.curve.validation[-1].accuracy,
-                samples_per_s=totals[2].item() / elapsed if elapsed > 0 else 0.0,
-                peak_memory_mb=peak_memory_mb(device),
-                startup_s=first_done - started if epoch == first_epoch else None,
-                checkpoint_s=sum(checkpoint_seconds) / len(checkpoint_seconds) if checkpoint_seconds else None,
-            )
+        validation = self.progress.curve.validation[-1]
+        return EpochRecord(
+            epoch=round(epoch + stats.done / self.spec.batches_per_epoch, 4),
+            step=self.engine.global_steps,
+            resumed_from_step=self.resumed_from,
+            train_loss=totals[0].item() / max(totals[1].item(), 1),
+            val_loss=validation.loss,
+            val_accuracy=validation.accuracy,
+            samples_per_s=totals[2].item() / elapsed if elapsed > 0 else 0.0,
+            peak_memory_mb=peak_memory_mb(self.device),
+            startup_s=stats.first_done - self.started if epoch == self.start_epoch else None,
+            checkpoint_s=sum(stats.checkpoint_seconds) / len(stats.checkpoint_seconds)
+            if stats.checkpoint_seconds
+            else None,
         )
-        progress = progress.model_copy(
-            update={"epoch": epoch + 1 if whole else epoch, "batches_done": 0 if whole else done}
+
+    def finish(self) -> None:
+        """The test split labelled by the trained engine, then the model exported with the Result."""
+        engine, spec = self.engine, self.spec
+        if self.predictions is None:  # a re-run of a finished run trains nothing; its export still needs them
+            self.predictions = validate(engine, self.replica, spec, self.pad_id, self.device)[2]
+        self.pulse("labelling the test split", engine.global_steps)
+        test = (
+            label_test_split(engine, self.replica, spec, self.pad_id, self.device)
+            if "test" in spec.evaluation
+            else None
         )
-        pulse("checkpointing", engine.global_steps)
-        save(engine, progress, progress.history[-1].model_dump())
-    if predictions is None:  # a re-run of a finished run trains nothing; its export still needs them
-        predictions = validate(engine, replica, spec, pad_id, device)[2]
-    pulse("labelling the test split", engine.global_steps)
-    test = label_test_split(engine, replica, spec, pad_id, device) if "test" in spec.evaluation else None
-    marks.test_labelled = time.time()
-    pulse("exporting the model", engine.global_steps)
-    export(
-        replica,
-        tokenizer,
-        spec,
-        Result(
-            history=progress.history,
-            curve=progress.curve,
-            validation_predictions=predictions,
+        self.marks.test_labelled = time.time()
+        self.pulse("exporting the model", engine.global_steps)
+        result = Result(
+            history=self.progress.history,
+            curve=self.progress.curve,
+            validation_predictions=self.predictions,
             test=test,
-            nodes=nodes,
-            layer_parameter_mb=layer_parameter_mb(replica.layers()),
-            marks=marks,
-        ),
-    )
+            nodes=self.nodes,
+            layer_parameter_mb=layer_parameter_mb(self.replica.layers()),
+            marks=self.marks,
+        )
+        export(self.replica, self.tokenizer, spec, result)

@@ -11,32 +11,13 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from pathlib import Path
 
 from tasks.core import storage
 from tasks.core.config import BatchInferParams, DataConfig, FinetuneParams, InferenceConfig, default_storage_root
 from tasks.core.data import SPLITS, Split, check_columns, expand_inputs, load_splits
+from tasks.core.models import saved_model, training_model
 from tasks.core.storage import OutputFolder, RunStore, check_writable, refuse_overlap
-from tasks.promote.registry import resolve
-
-
-def saved_model(uri: str, field: str) -> str:
-    """uri, a saved Hugging Face model's folder (local or remote), as every node reads it: a local
-    one made absolute (Ray's workers run in folders of their own). Else one line naming the field."""
-    remote = storage.is_remote(uri)
-    if not (storage.exists(uri) if remote else Path(uri).expanduser().is_dir()):
-        raise ValueError(f"{field} {uri}: no such folder")
-    if not storage.exists(storage.join(uri, "config.json")):
-        raise ValueError(f"{field} {uri}: a folder without config.json, not a saved Hugging Face model")
-    return uri if remote else str(Path(uri).expanduser().resolve())
-
-
-def training_model(name_or_path: str) -> None:
-    """model.name_or_path: a hub id (transformers resolves it when tokenizing: tasks/tokenize/), or
-    what names a folder (a path, not 'org/name') must be a saved model's."""
-    path = Path(name_or_path).expanduser()
-    if path.is_dir() or path.is_absolute() or name_or_path.startswith((".", "~")) or name_or_path.count("/") > 1:
-        saved_model(name_or_path, "model.name_or_path")
+from tasks.promote.contract import resolve
 
 
 def splits_of(cfg: DataConfig) -> dict[str, Split]:

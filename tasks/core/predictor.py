@@ -1,5 +1,5 @@
 """`Predictor`: the one piece of code that turns texts into labels, used by the batch-inference
-actors (tasks/infer/worker.py) and by evaluation (tasks/evaluate/driver.py) alike.
+actors (tasks/infer/worker.py) and by the champion's re-scoring (tasks/promote/rescore.py) alike.
 
 Kept apart from the Prefect tasks on purpose: every inference actor imports this module, and
 leaving Prefect out of its imports starts each actor seconds sooner.

@@ -1,5 +1,5 @@
-"""The model registry in storage: each entry's champion, read by batch inference and written by the
-promotion gate (tasks/promote/task.py).
+"""What promotion hands on: its Decision, and the model registry in storage, each entry's champion,
+written by the promotion gate (tasks/promote/task.py) and read by batch inference.
 
     <root>/models/<name>/champion   JSON: the champion's model URI, its run, its score on the test split
 
@@ -43,3 +43,24 @@ def resolve(model_uri: str, root: str) -> str:
             "storage_root promotes one"
         )
     return Champion.model_validate(storage.read_json(pointer)).model_uri
+
+
+class Decision(BaseModel):
+    """The promotion gate's decision, with why."""
+
+    promoted: bool
+    reason: str
+    floor: str  # the least score, in words
+    model_name: str
+    metric: str
+    challenger: float
+    champion: float | None  # the champion's score on this test split; None when there was none to beat
+    previous_champion_uri: str | None
+    pointer: str
+
+    def verdict(self) -> str:
+        """The decision in a few words (Markdown), for the log, the artifact and the report."""
+        name = self.model_name
+        return (
+            f"promoted to champion of `{name}`" if self.promoted else f"not promoted: `{name}`'s champion is unchanged"
+        )

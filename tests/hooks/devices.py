@@ -1,4 +1,5 @@
-"""A check the tests turn on in every training worker (FTFLOW_TEST_CHECK_DEVICES=1): each tensor a
+"""A check the tests turn on in every training worker (FTFLOW_TEST_CHECK_DEVICES=1, through
+tests/hooks/sitecustomize.py): each tensor a
 torch.distributed collective is given must live on the device the worker trains on. NCCL takes CUDA
 tensors only, so on a GPU a host tensor in an all-reduce fails the run; on a CPU, where the tests run,
 the worker's device *is* the host, and the same mistake passes unseen. So the check also refuses a
@@ -16,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
-OURS = str(Path(__file__).resolve().parents[1])  # tasks/: the code that runs in the workers
+OURS = str(Path(__file__).resolve().parents[2] / "tasks")  # the code that runs in the workers
 FACTORIES = {torch.tensor, torch.as_tensor, torch.zeros, torch.ones, torch.empty, torch.full, torch.arange}
 COLLECTIVES = (
     "all_reduce",

@@ -1,0 +1,125 @@
+"""A training worker's DeepSpeed engine: the process group Ray made, joined by DeepSpeed; the model
+(partitioned at load for ZeRO-3, its last layer at the first token, checkpointed activations where
+asked); its parameter groups; the precision resolved on the worker's device; the replica that trains
+it (tasks/train/replica.py). Worker side: imports no Prefect."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from datetime import timedelta
+
+import ray.train.torch
+import torch
+from transformers import AutoModelForSequenceClassification, AutoTokenizer, set_seed
+from transformers.integrations.deepspeed import HfDeepSpeedConfig
+
+from tasks.core.attention import without_cudnn_attention
+from tasks.core.first_token import last_layer_at_first_token
+from tasks.core.models import hub_free
+from tasks.train import pipeline
+from tasks.train.contract import WorkerSpec
+from tasks.train.replica import Replica
+from tasks.train.watch import Pulse
+
+
+def build_model(spec: WorkerSpec):
+    # While this object lives, from_pretrained builds a ZeRO-3 model already partitioned (zero.Init):
+    # no worker ever holds the whole model, which is what lets ZeRO-3 fit models that do not fit.
+    # transformers 5.23 refuses to load under zero.Init when the config asks for tensor parallelism
+    # ("Weight conversions ... not yet implemented"): then each worker loads it whole, and the
+    # engine splits it, then partitions its shards.
+    partitioned = spec.train.zero_stage == 3 and spec.train.tensor_parallel_size == 1
+    zero_init = HfDeepSpeedConfig(spec.deepspeed) if partitioned else None  # noqa: F841 (kept alive)
+    names = spec.label_names
+    model = AutoModelForSequenceClassification.from_pretrained(
+        spec.model,
+        num_labels=len(names),
+        id2label=dict(enumerate(names)),
+        label2id={name: i for i, name in enumerate(names)},
+        **hub_free(spec.model),
+    )
+    last_layer_at_first_token(model)
+    if spec.train.activation_checkpointing and spec.train.pipeline_parallel_size == 1:  # stages checkpoint their own
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def param_groups(model) -> list[dict]:
+    """Weight decay for weight matrices only, as BERT-style recipes do."""
+    named = list(model.named_parameters())
+    return [
+        {"params": [p for _, p in named if p.ndim > 1]},
+        {"params": [p for _, p in named if p.ndim <= 1], "weight_decay": 0.0},
+    ]
+
+
+def join_process_group(device: torch.device, timeout_s: float) -> None:
+    """DeepSpeed's view of the process group Ray made (with TorchConfig's timeout); DeepSpeed's own
+    groups (ZeRO, tensor and pipeline parallelism) get the same bound instead of its 30 minutes."""
+    import deepspeed
+
+    if device.type == "cpu":
+        # DeepSpeed builds its shared-memory collective op at every init_distributed on CPU (~30 s of
+        # compile on a fresh machine) for DeepSpeed-Inference's all-reduce alone: training's collectives
+        # go through torch.distributed. Marked unavailable, it is not built (DeepSpeed keeps this dict).
+        # Not on CUDA: there the op does not exist, and reading the dict runs DeepSpeed's op probe,
+        # which calls nvcc several times.
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    deepspeed.init_distributed(
+        dist_backend="nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=timeout_s)
+    )
+
+
+def precision_of(engine) -> str:
+    return "bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else "fp32"
+
+
+def resolve_precision(spec: WorkerSpec, device: torch.device) -> WorkerSpec:
+    """precision=auto on a GPU (the driver cannot see it): bf16 where the hardware has it, else fp16."""
+    if spec.plan.precision == "auto":
+        precision = "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+        spec = spec.model_copy(
+            update={
+                "deepspeed": spec.deepspeed
+                | {
+                    "bf16": spec.deepspeed["bf16"] | {"enabled": precision == "bf16"},
+                    "fp16": spec.deepspeed["fp16"] | {"enabled": precision == "fp16"},
+                }
+            }
+        )
+    if spec.deepspeed["bf16"]["enabled"] and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise ValueError(f"precision=bf16 but {torch.cuda.get_device_name()} has no bf16: use fp16 or auto")
+    return spec
+
+
+def setup(spec: WorkerSpec, pulse: Pulse) -> tuple:
+    """This worker's part: the process group, the tokenizer, the DeepSpeed engine and its replica."""
+    import deepspeed  # imported in the worker: it probes the accelerator at import
+
+    warnings.filterwarnings("ignore", category=FutureWarning)  # torch.distributed renames used by DeepSpeed
+    deepspeed.utils.logger.setLevel(logging.WARNING)
+    set_seed(spec.train.seed)
+    # The worker's CPU share (1 beside a GPU by default): the host side of a GPU step (collate, the
+    # Python loop) is single-threaded, and offloaded optimizer state steps on cpus_per_worker threads.
+    torch.set_num_threads(max(1, int(spec.plan.cpus_per_worker)))
+    device = ray.train.torch.get_device()
+    without_cudnn_attention()
+    spec = resolve_precision(spec, device)
+    pulse("joining the process group")
+    join_process_group(device, spec.train.collective_timeout_s)
+    pulse("loading the tokenizer")
+    tokenizer = AutoTokenizer.from_pretrained(spec.model, **hub_free(spec.model))
+    tokenizer.model_max_length = spec.max_length  # the exported tokenizer truncates as training did
+    pulse("loading the model")
+    model = build_model(spec)
+    stages = spec.train.pipeline_parallel_size
+    module, names = pipeline.stages(model, stages, spec.train.activation_checkpointing) if stages > 1 else (model, None)
+    pulse("building the DeepSpeed engine")  # its first collective (broadcasting the weights) is NCCL's first connection
+    engine, *_ = deepspeed.initialize(model=module, model_parameters=param_groups(module), config=spec.deepspeed)
+    return engine, device, tokenizer, Replica(engine, spec.plan.accumulation, names, model.config)
+
+
+def engine_line(engine, device: torch.device, seconds: float) -> str:
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    return f"rank 0: engine built on {device} ({name}), {precision_of(engine)}, ZeRO-{engine.zero_optimization_stage()}, in {seconds:.1f} s"
