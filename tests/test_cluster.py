@@ -23,6 +23,7 @@ from conftest import BATCH_INFER, BUCKET, FTFLOW, free_port, session_prefect, wr
 from ray.job_submission import JobStatus, JobSubmissionClient, JobType
 from test_flow import check_run, params
 
+from infra.local.stack import HEAD_ENV, ray_head_command
 from tasks.core import cluster, storage
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,21 +47,8 @@ def start_ray_head(port: int, env: dict[str, str], *args: str, dashboard: int | 
         else ["--include-dashboard", "false"]
     )
     head = subprocess.Popen(
-        [
-            str(BIN / "ray"),
-            "start",
-            "--head",
-            "--block",
-            "--node-ip-address",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            *api,
-            "--disable-usage-stats",
-            *(args or ["--num-cpus", "2"]),
-        ],
-        # Stopped at once when the test ends: not after draining its node for 30 s, Ray's default for Serve.
-        env={**env, "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"},
+        ray_head_command(port, *api, *(args or ["--num-cpus", "2"])),
+        env={**env, **HEAD_ENV},  # stopped at once when the test ends
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,

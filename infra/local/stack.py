@@ -55,11 +55,32 @@ def stack_env() -> dict[str, str]:
         "RAY_ADDRESS": f"127.0.0.1:{RAY_PORT}",
         "RAY_AUTH_MODE": "token",
         "RAY_AUTH_TOKEN_PATH": str(RAY_TOKEN),
-        # `ray start --block` marks its node draining on SIGTERM and waits up to 30 s (Ray 2.60's default,
-        # for Serve's proxies to finish their requests) before stopping it: nothing here serves traffic,
-        # and `ftflow stack down` took 41 s, 35 of them the head's.
-        "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
+        **HEAD_ENV,
     }
+
+
+# `ray start --block` marks its node draining on SIGTERM and waits up to 30 s (Ray 2.60's default, for
+# Serve's proxies to finish their requests) before stopping it: nothing here serves traffic, and
+# `ftflow stack down` took 41 s, 35 of them the head's.
+HEAD_ENV = {"RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
+
+
+def ray_head_command(port: int, *options: str) -> list[str]:
+    """`ray start --head` in the foreground, on this machine's loopback: the stack's head (and the
+    tests' clusters). `--block` keeps it in the foreground and takes the head's processes down with
+    it on SIGTERM."""
+    return [
+        str(BIN / "ray"),
+        "start",
+        "--head",
+        "--block",
+        "--node-ip-address",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--disable-usage-stats",
+        *options,
+    ]
 
 
 # (name, command): started in this order, stopped in the reverse one. `ray start --block` stays in
@@ -67,27 +88,10 @@ def stack_env() -> dict[str, str]:
 # touches other Ray clusters on the machine (`ray stop` would stop every one).
 PROCESSES = [
     ("prefect-server", [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(PREFECT_PORT)]),
-    (
-        "ray-head",
-        [
-            str(BIN / "ray"),
-            "start",
-            "--head",
-            "--block",
-            "--node-ip-address",
-            "127.0.0.1",
-            "--port",
-            str(RAY_PORT),
-            # As the local Ray `ftflow run` starts: one CPU more than the machine has, for Ray Data's
-            # tasks. With the cores alone, training took 1 worker of 1 CPU on a 2-core machine, and
-            # its epoch ran 171 s against 128 s for `ftflow run` alone (bench/end_to_end.py).
-            "--num-cpus",
-            str(machine_cpus()),
-            "--include-dashboard",
-            "false",
-            "--disable-usage-stats",
-        ],
-    ),
+    # As the local Ray `ftflow run` starts: one CPU more than the machine has, for Ray Data's tasks.
+    # With the cores alone, training took 1 worker of 1 CPU on a 2-core machine, and its epoch ran
+    # 171 s against 128 s for `ftflow run` alone (bench/end_to_end.py).
+    ("ray-head", ray_head_command(RAY_PORT, "--num-cpus", str(machine_cpus()), "--include-dashboard", "false")),
     ("runner", [sys.executable, "-m", "deployments.serve"]),
 ]
 
