@@ -36,7 +36,8 @@ from conftest import read_jsonl, write_jsonl  # noqa: E402
 from tiny_model import make_tiny_bert  # noqa: E402
 
 from flows.finetune import finetune  # noqa: E402
-from tasks.core.config import SHIPPED_DATA, DataConfig, FinetuneParams, ModelConfig, TrainConfig  # noqa: E402
+from tasks.core.config import SHIPPED_DATA, DataConfig, FinetuneParams, ModelConfig  # noqa: E402
+from tasks.core.train_config import TrainConfig  # noqa: E402
 
 
 def mib(size: int) -> float:

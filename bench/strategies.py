@@ -47,9 +47,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tasks.core import cluster  # noqa: E402
-from tasks.core.config import DataConfig, ModelConfig, TrainConfig  # noqa: E402
+from tasks.core.config import DataConfig, ModelConfig  # noqa: E402
 from tasks.core.data import load_splits  # noqa: E402
-from tasks.core.storage import RunStore  # noqa: E402
+from tasks.core.layout import RunStore  # noqa: E402
+from tasks.core.train_config import TrainConfig  # noqa: E402
 from tasks.tokenize.driver import load_tokenizer, tokenize_key  # noqa: E402
 from tasks.tokenize.task import tokenize  # noqa: E402
 from tasks.train.batches import collate  # noqa: E402

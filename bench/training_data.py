@@ -34,9 +34,10 @@ from tiny_model import make_tiny_bert  # noqa: E402
 
 import tasks.train.driver  # noqa: E402
 from tasks.core import cluster  # noqa: E402
-from tasks.core.config import DataConfig, ModelConfig, TrainConfig  # noqa: E402
+from tasks.core.config import DataConfig, ModelConfig  # noqa: E402
 from tasks.core.data import load_splits  # noqa: E402
-from tasks.core.storage import RunStore  # noqa: E402
+from tasks.core.layout import RunStore  # noqa: E402
+from tasks.core.train_config import TrainConfig  # noqa: E402
 from tasks.tokenize.contract import SHARD_SCHEMA  # noqa: E402
 from tasks.tokenize.driver import load_tokenizer, tokenize_key  # noqa: E402
 from tasks.tokenize.task import tokenize  # noqa: E402

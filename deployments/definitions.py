@@ -26,7 +26,8 @@ from pydantic import ValidationError
 
 from flows.batch_infer import batch_infer
 from flows.finetune import finetune
-from tasks.core.config import BatchInferParams, FinetuneParams, SafeName, Strict, one_line
+from tasks.core.config import BatchInferParams, FinetuneParams, SafeName
+from tasks.core.strict import Strict, one_line
 from tasks.prefect_side.events import DATA_ARRIVED, PROMOTED
 from tasks.train.task import TRAINING_TAG
 

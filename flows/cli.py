@@ -30,8 +30,9 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from flows import console
-from tasks.core.config import RAY_ADDRESS, BatchInferParams, FinetuneParams, default_storage_root, one_line
-from tasks.core.config import first_line as config_first_line
+from tasks.core.config import RAY_ADDRESS, BatchInferParams, FinetuneParams, default_storage_root
+from tasks.core.strict import first_line as config_first_line
+from tasks.core.strict import one_line
 
 app = typer.Typer(
     add_completion=False,

@@ -29,7 +29,7 @@ from rich.progress import BarColumn, Progress, ProgressColumn, TaskID, TextColum
 from rich.table import Column
 from rich.text import Text
 
-from tasks.core import storage
+from tasks.core import layout, storage
 from tasks.core.progress import RUN_DIR, STAGE, TICK, Tick
 
 PREFECT_CODE = str(Path(find_spec("prefect").origin).parent)
@@ -188,7 +188,7 @@ def kept(log_file: Path, run_dir: str | None) -> str:
     prints on its way out goes to the removed file), or where it is."""
     if run_dir is None:
         return str(log_file)
-    kept_at = storage.join(storage.RunStore.at(run_dir).logs, log_file.name)
+    kept_at = storage.join(layout.RunStore.at(run_dir).logs, log_file.name)
     storage.write_bytes(kept_at, log_file.read_bytes())
     log_file.unlink()
     return kept_at

@@ -7,9 +7,9 @@ from prefect.context import FlowRunContext
 
 from tasks.core import cluster
 from tasks.core.config import FinetuneParams
+from tasks.core.layout import RunStore, refuse_overlap
 from tasks.core.progress import RUN_DIR
 from tasks.core.reaper import reap_on_exit
-from tasks.core.storage import RunStore, refuse_overlap
 from tasks.evaluate.task import evaluate
 from tasks.infer.task import predict_files, write_test_labels
 from tasks.promote.task import promote

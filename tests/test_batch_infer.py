@@ -18,9 +18,9 @@ from conftest import BATCH_INFER, run_batch_infer, session_prefect, write_jsonl
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, LogFilter, LogFilterFlowRunId
 
-from tasks.core import cluster, progress, storage
+from tasks.core import cluster, layout, progress, storage
 from tasks.core.data import DataError, Piece, iter_frames
-from tasks.core.storage import MARKER
+from tasks.core.layout import MARKER
 from tasks.infer import driver as infer
 from tasks.infer.worker import Counts
 
@@ -214,4 +214,4 @@ def test_a_job_killed_mid_way_and_run_again_labels_every_row_once(ray_stopped, t
     ids = pq.read_table(output, columns=["id"]).column("id").to_pandas()
     assert ids.is_unique and set(ids) == {f"d{i}" for i in range(files * per_file)}
     marker = json.loads((output / MARKER).read_text())
-    assert storage.OutputFolder(str(output)).files() == {*marker["files"], MARKER}
+    assert layout.OutputFolder(str(output)).files() == {*marker["files"], MARKER}

@@ -24,7 +24,7 @@ from ray.job_submission import JobStatus, JobSubmissionClient, JobType
 from test_flow import check_run, params
 
 from infra.local.stack import HEAD_ENV, ray_head_command
-from tasks.core import cluster, storage
+from tasks.core import cluster, layout, storage
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -260,7 +260,7 @@ def test_flows_run_against_a_prefect_server_that_requires_an_auth_string(tiny_mo
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         server.wait(timeout=60)
-    assert storage.read_json(str(labels / storage.MARKER))["rows"] == 50
+    assert storage.read_json(str(labels / layout.MARKER))["rows"] == 50
     assert auth.split(":")[1] not in run.stdout + run.stderr + stored_text(labels)
 
 
@@ -408,7 +408,7 @@ def test_finetune_on_a_token_secured_cluster_that_grows_and_shrinks(tiny_model, 
             text=True,
             timeout=300,
         )
-        assert no_actors.returncode != 0 and not (tmp_path / "labels" / storage.MARKER).exists()
+        assert no_actors.returncode != 0 and not (tmp_path / "labels" / layout.MARKER).exists()
         assert (
             "the Ray cluster did not start 1 inference actor(s) of 1 CPU and 1 GPU each within wait_for_actors_s=5"
             in no_actors.stderr

@@ -15,7 +15,7 @@ from test_flow import params
 from flows.finetune import finetune
 from tasks.core import storage
 from tasks.core.config import FinetuneParams
-from tasks.core.storage import CLAIM, MARKER, RunStore, UnsafeOutput
+from tasks.core.layout import CLAIM, MARKER, RunStore, UnsafeOutput
 
 
 class Place:

@@ -36,11 +36,12 @@ from transformers import AutoModelForSequenceClassification
 
 from flows.finetune import finetune
 from tasks.core import storage
-from tasks.core.config import DataConfig, FinetuneParams, ModelConfig, TrainConfig
+from tasks.core.config import DataConfig, FinetuneParams, ModelConfig
 from tasks.core.data import DataError
+from tasks.core.layout import MARKER
 from tasks.core.predictor import Predictor
-from tasks.core.storage import MARKER
 from tasks.core.text import local_model
+from tasks.core.train_config import TrainConfig
 
 
 def params(tiny_model, data: dict, root: str) -> FinetuneParams:

@@ -23,10 +23,10 @@ from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, Fl
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from flows.finetune import finetune
-from tasks.core import storage
+from tasks.core import layout, storage
 from tasks.core.config import DataConfig, FinetuneParams, PromotionConfig
 from tasks.core.data import load_splits
-from tasks.core.storage import MARKER, RunStore
+from tasks.core.layout import MARKER, RunStore
 from tasks.evaluate.contract import Metrics
 from tasks.promote.contract import resolve
 from tasks.promote.rescore import score
@@ -41,7 +41,7 @@ def test_a_model_that_loses_leaves_the_champion_untouched(local_run, tmp_path):
     """The second run in a storage root: the first (conftest's local_run) is the champion of `sentiment`."""
     first_params, first_state, _ = local_run
     first, root = first_state.result(), first_params.storage_root
-    pointer = storage.StorageRoot(root).champion("sentiment")
+    pointer = layout.StorageRoot(root).champion("sentiment")
     assert first["promoted"] and storage.read_json(pointer)["model_uri"] == f"{first['run_dir']}/model"
     before = storage.filesystem(pointer)[0].cat_file(pointer)
 
@@ -128,7 +128,7 @@ def test_a_model_that_predicts_one_class_is_not_promoted_even_to_an_empty_entry(
     state = gate(PromotionConfig(model_name="rt"), return_state=True)
     decision = state.result()
     floor = "accuracy > 0.5000, the score of always predicting the test split's majority class 'negative' (promotion.min_score unset)"
-    assert not decision.promoted and not storage.exists(storage.StorageRoot(root).champion("rt"))
+    assert not decision.promoted and not storage.exists(layout.StorageRoot(root).champion("rt"))
     assert decision.reason == f"accuracy 0.5000 is not above the floor: {floor}" and decision.floor == floor
     [artifact] = artifacts_of(state.state_details.flow_run_id, "promotion")
     assert (
@@ -213,7 +213,7 @@ def test_two_promotions_racing_from_the_same_champion_exactly_one_wins(
 
     winners = [run for run, decision in decisions.items() if decision.promoted]
     assert len(winners) == 1, decisions
-    champion = storage.read_json(storage.StorageRoot(root).champion("rt"))
+    champion = storage.read_json(layout.StorageRoot(root).champion("rt"))
     assert champion["run_id"] == winners[0] and champion["model_uri"] == f"{root}/runs/{winners[0]}/model"
     loser = decisions[{"a": "b", "b": "a"}[winners[0]]]
     assert loser.previous_champion_uri == RunStore(root, "first").model_dir

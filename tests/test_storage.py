@@ -8,7 +8,7 @@ import threading
 import pytest
 from conftest import free_port
 
-from tasks.core import storage
+from tasks.core import layout, storage
 
 
 def test_a_reader_never_sees_a_json_file_half_written(tmp_path):
@@ -46,16 +46,16 @@ def test_overlap_is_by_whole_path_segments(tmp_path):
         ("s3://bucket/corpus/", "s3://bucket/corpus/a.jsonl"): "holds the input",
     }
     for (output, input_), how in cases.items():
-        with pytest.raises(storage.UnsafeOutput, match=how):
-            storage.refuse_overlap([output], [input_])
-    storage.refuse_overlap([f"{tmp_path}/corpus2", "s3://bucket/corpus2"], [f"{tmp_path}/corpus", "s3://bucket/corpus"])
-    storage.refuse_overlap([f"{tmp_path}/corpus"], ["s3://bucket" + str(tmp_path) + "/corpus"])
+        with pytest.raises(layout.UnsafeOutput, match=how):
+            layout.refuse_overlap([output], [input_])
+    layout.refuse_overlap([f"{tmp_path}/corpus2", "s3://bucket/corpus2"], [f"{tmp_path}/corpus", "s3://bucket/corpus"])
+    layout.refuse_overlap([f"{tmp_path}/corpus"], ["s3://bucket" + str(tmp_path) + "/corpus"])
 
 
 def test_an_output_that_is_a_file_is_refused(tmp_path):
     (tmp_path / "labels.parquet").write_bytes(b"the user's")
-    with pytest.raises(storage.UnsafeOutput, match="labels.parquet is a file"):
-        storage.OutputFolder(str(tmp_path / "labels.parquet")).check()
+    with pytest.raises(layout.UnsafeOutput, match="labels.parquet is a file"):
+        layout.OutputFolder(str(tmp_path / "labels.parquet")).check()
     assert (tmp_path / "labels.parquet").read_bytes() == b"the user's"
 
 

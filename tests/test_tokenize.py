@@ -18,11 +18,12 @@ from test_data import mixed_split
 from test_flow import params
 
 from flows.finetune import finetune
-from tasks.core import cluster, data, storage
+from tasks.core import cluster, data, layout, storage
 from tasks.core.cluster import Resources
-from tasks.core.config import DataConfig, TrainConfig
+from tasks.core.config import DataConfig
 from tasks.core.data import load_splits
-from tasks.core.storage import CLAIM, MARKER
+from tasks.core.layout import CLAIM, MARKER
+from tasks.core.train_config import TrainConfig
 from tasks.tokenize.driver import load_tokenizer, tokenize_key
 from tasks.tokenize.task import tokenize
 
@@ -109,7 +110,7 @@ def test_an_interrupted_attempt_is_replaced_and_complete_shards_reused(ray_clust
     assert again.name == "Completed" and key.shards_exist()
     marker = storage.read_json(storage.join(key.target, MARKER))
     assert marker["rows"] == {"train": 2048, "validation": 128, "test": 128}
-    assert storage.OutputFolder(key.target).files() == {*marker["files"], MARKER}, "the failed attempt's files are gone"
+    assert layout.OutputFolder(key.target).files() == {*marker["files"], MARKER}, "the failed attempt's files are gone"
     assert pq.read_table(again.result()["test"]).num_rows == 128
     assert tokenize_as_finetune_does().name == "Cached"
 
@@ -122,7 +123,7 @@ def test_an_interrupted_attempt_is_replaced_and_complete_shards_reused(ray_clust
 
     assert tokenize_without_the_cache_entry() == again.result()
     assert {
-        f: (Path(key.target) / f).stat().st_mtime_ns for f in storage.OutputFolder(key.target).files() - {MARKER}
+        f: (Path(key.target) / f).stat().st_mtime_ns for f in layout.OutputFolder(key.target).files() - {MARKER}
     } == stamps
 
 
@@ -163,7 +164,7 @@ def test_two_runs_started_at_once_on_the_same_data_write_one_shard_set_and_both_
     assert sum(message.startswith("using the tokenized shards at") for message in messages) == 1
     [shard_set] = [path for path in (tmp_path / "store" / "tokenized").iterdir()]
     marker = storage.read_json(str(shard_set / MARKER))
-    assert storage.OutputFolder(str(shard_set)).files() == {*marker["files"], MARKER}, "one whole set, nothing else"
+    assert layout.OutputFolder(str(shard_set)).files() == {*marker["files"], MARKER}, "one whole set, nothing else"
     for summary in summaries:
         manifest = storage.read_json(storage.join(summary["run_dir"], "manifest.json"))
         assert manifest["outputs"]["tokenized"] == {

@@ -21,10 +21,11 @@ from conftest import fault_injected, read_jsonl, write_jsonl
 from tiny_model import make_tiny_bert
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from tasks.core.config import DataConfig, ModelConfig, TrainConfig
+from tasks.core.config import DataConfig, ModelConfig
 from tasks.core.data import load_splits
-from tasks.core.storage import RunStore
+from tasks.core.layout import RunStore
 from tasks.core.text import padded
+from tasks.core.train_config import TrainConfig
 from tasks.tokenize.driver import load_tokenizer, tokenize_key
 from tasks.tokenize.task import tokenize
 from tasks.train.contract import STATE_FILE, EpochRecord, Result

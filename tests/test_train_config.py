@@ -7,7 +7,8 @@ from pydantic import ValidationError
 from transformers import BertConfig, DistilBertConfig
 
 from tasks.core.cluster import Resources
-from tasks.core.config import ModelConfig, TrainConfig
+from tasks.core.config import ModelConfig
+from tasks.core.train_config import TrainConfig
 from tasks.train.deepspeed_config import deepspeed_config
 from tasks.train.plan import check_parallelism, plan
 

@@ -11,7 +11,7 @@ import ray.train
 from ray.train import RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
-from tasks.core.config import TrainConfig
+from tasks.core.train_config import TrainConfig
 from tasks.tokenize.contract import SHARD_SCHEMA
 from tasks.train.batches import training_batches
 from tasks.train.contract import IGNORED

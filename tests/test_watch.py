@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import logging
 
+from tasks.core.layout import RunStore
 from tasks.core.progress import Beat
-from tasks.core.storage import RunStore
 from tasks.train import watch
 
 

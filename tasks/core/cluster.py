@@ -13,7 +13,7 @@ from ray._private import ray_constants
 from ray.util.placement_group import NODE_ID_LABEL_KEY
 
 from tasks.core import storage
-from tasks.core.config import Device
+from tasks.core.strict import Device
 
 # Tokenization's tasks ask for a quarter CPU each (tasks/tokenize/ runs at most one per CPU), so
 # they never wait on CPUs that model workers hold.

@@ -19,7 +19,9 @@ from ray.train.torch import TorchConfig
 from ray.util.queue import Queue
 
 from tasks.core import cluster, jobs, storage
-from tasks.core.config import DataConfig, TrainConfig, first_line
+from tasks.core.config import DataConfig
+from tasks.core.strict import first_line
+from tasks.core.train_config import TrainConfig
 from tasks.doctor.worker import SEQUENCE_LENGTH, TINY_BERT, NodeReport, StepReport, node_report, one_step
 from tasks.train.contract import WorkerSpec
 from tasks.train.deepspeed_config import deepspeed_config

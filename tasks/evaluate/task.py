@@ -9,7 +9,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from tasks.core import storage
 from tasks.core.data import Split, shown
-from tasks.core.storage import RunStore
+from tasks.core.layout import RunStore
 from tasks.evaluate.contract import Metrics
 from tasks.prefect_side.retries import RETRY_TRANSIENT
 from tasks.train.contract import Predictions

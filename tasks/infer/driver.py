@@ -10,7 +10,7 @@ from contextlib import contextmanager
 import ray
 from ray.data import DataContext
 
-from tasks.core import cluster, jobs, storage
+from tasks.core import cluster, jobs, layout, storage
 from tasks.core.config import InferenceConfig
 from tasks.core.data import cut, expand_inputs, numbered, rows_per_byte
 from tasks.core.progress import Tick, log_tick, tallied
@@ -32,7 +32,7 @@ def labelled(model_uri: str, cfg: InferenceConfig, output_uri: str) -> Labelled:
     sees them, cut into parts, then one Ray Data pipeline of model actors, each labelling a part per
     call (tasks/infer/worker.py)."""
     files = expand_inputs(cfg.input_uri)
-    text_column, output = cfg.text_column or "text", storage.OutputFolder(output_uri)
+    text_column, output = cfg.text_column or "text", layout.OutputFolder(output_uri)
     sizes = {uri: storage.size(uri) for uri in files}  # once: for the actors and the parts
     resources = cluster.Resources.of_cluster()
     actors, cpus, gpus = resources.inference_actors(

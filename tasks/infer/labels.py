@@ -16,7 +16,7 @@ import pyarrow as pa
 import pyarrow.dataset
 import pyarrow.parquet as pq
 
-from tasks.core import storage
+from tasks.core import layout, storage
 from tasks.core.config import InferenceConfig
 from tasks.core.data import Split, iter_frames
 from tasks.infer.contract import LABELS_SCHEMA, Labelled
@@ -38,7 +38,7 @@ def labels_table(
     return pa.table({"id": ids, "text": texts, "label": labels, "score": scores}, schema=LABELS_SCHEMA)
 
 
-def completed(output: storage.OutputFolder, job: str, files: list[str], model_uri: str, cfg: InferenceConfig) -> int:
+def completed(output: layout.OutputFolder, job: str, files: list[str], model_uri: str, cfg: InferenceConfig) -> int:
     """Mark the job's files complete with what they hold and what they came from; returns their rows."""
     out_path, out_fs = storage.pyarrow_filesystem(output.uri)
     written = output.written(job)
@@ -65,7 +65,7 @@ def from_predictions(
     """The test split's labels, as the trained engine gave them by row (the split's rows run through its
     files in order), written where and as batch inference would write the model's: a Parquet file per
     input file, the same ids, the same record."""
-    started, output = time.perf_counter(), storage.OutputFolder(output_uri)
+    started, output = time.perf_counter(), layout.OutputFolder(output_uri)
     job = output.start()
     out_path, out_fs = storage.pyarrow_filesystem(output_uri)
     names = np.asarray(test.schema.label_names)

@@ -13,7 +13,7 @@ import re
 
 from pydantic import BaseModel
 
-from tasks.core import storage
+from tasks.core import layout, storage
 
 CHAMPION_REF = re.compile(r"^models/(?P<name>[^/]+)@champion$")
 
@@ -35,7 +35,7 @@ def resolve(model_uri: str, root: str) -> str:
     match = CHAMPION_REF.match(model_uri)
     if not match:
         return model_uri
-    pointer = storage.StorageRoot(root).champion(match["name"])
+    pointer = layout.StorageRoot(root).champion(match["name"])
     if not storage.exists(pointer):
         raise ValueError(
             f"model_uri {model_uri}: the registry entry '{match['name']}' under {storage.normalize(root)} has no "

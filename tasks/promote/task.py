@@ -23,10 +23,10 @@ import numpy as np
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 
-from tasks.core import jobs, storage
+from tasks.core import jobs, layout, storage
 from tasks.core.config import InferenceConfig, PromotionConfig
 from tasks.core.data import Split
-from tasks.core.storage import RunStore
+from tasks.core.layout import RunStore
 from tasks.evaluate.contract import Metrics
 from tasks.prefect_side import events
 from tasks.prefect_side.retries import RETRY_TRANSIENT
@@ -81,7 +81,7 @@ def promote(
     """Make the run's model the champion of cfg.model_name if it clears the floor and is at least as
     good as the champion on the test split."""
     model_uri, run_id, root = store.model_dir, store.run_id, store.root
-    pointer = storage.StorageRoot(root).champion(cfg.model_name)
+    pointer = layout.StorageRoot(root).champion(cfg.model_name)
     record, version = storage.read_versioned_json(pointer)
     current = Champion.model_validate(record) if record is not None else None
     challenger, (least, reaching_is_enough, floor_words) = getattr(metrics, cfg.metric), floor(metrics, cfg)
@@ -121,7 +121,7 @@ def promote(
             challenger,
             run_id,
             root,
-            storage.StorageRoot(root).labels(cfg.model_name, run_id),
+            layout.StorageRoot(root).labels(cfg.model_name, run_id),
         )
     decision = Decision(
         promoted=promoted,

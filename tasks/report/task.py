@@ -18,10 +18,10 @@ from matplotlib.figure import Figure
 from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-from tasks.core import storage
+from tasks.core import layout, storage
 from tasks.core.data import Split
+from tasks.core.layout import RunStore
 from tasks.core.progress import STAGE
-from tasks.core.storage import RunStore
 from tasks.evaluate.contract import Metrics
 from tasks.infer.contract import Labelled
 from tasks.prefect_side.retries import RETRY_TRANSIENT
@@ -308,7 +308,7 @@ def publish_inference_report(model_ref: str, model_uri: str, parameters: dict, r
         f"Model: {named}",
         "",
         f"Labels: {link(result.output_uri)} (Parquet: id, text, label, score; complete once "
-        f"`{storage.MARKER}` is there)",
+        f"`{layout.MARKER}` is there)",
         "",
         f"{result.files} input file(s), {result.rows:,} rows in {result.seconds:.1f} s ({result.rows_per_s:,.0f} rows/s).",
         "",

@@ -20,9 +20,9 @@ from urllib.parse import urlsplit
 
 from prefect import get_run_logger, task
 
-from tasks.core import storage
+from tasks.core import layout, storage
 from tasks.core.config import FinetuneParams
-from tasks.core.storage import RunStore
+from tasks.core.layout import RunStore
 from tasks.report.manifest import Results
 
 # MLflow's client retries a failing HTTP request for minutes by default; a run waits for none of it.
@@ -39,7 +39,7 @@ def import_beside(storage_root: str) -> None:
 def tracking_uri(storage_root: str) -> str | None:
     if uri := os.environ.get("MLFLOW_TRACKING_URI"):
         return uri
-    return None if storage.is_remote(storage_root) else f"sqlite:///{storage.StorageRoot(storage_root).mlflow_db}"
+    return None if storage.is_remote(storage_root) else f"sqlite:///{layout.StorageRoot(storage_root).mlflow_db}"
 
 
 def redacted(text: str, uri: str) -> str:
@@ -158,4 +158,4 @@ def logged(uri: str, params: FinetuneParams, store: RunStore, results: Results, 
 
 def default_artifacts(storage_root: str) -> str | None:
     """Beside the default SQLite store; a server or store the user named keeps its own default."""
-    return None if os.environ.get("MLFLOW_TRACKING_URI") else storage.StorageRoot(storage_root).mlflow_artifacts
+    return None if os.environ.get("MLFLOW_TRACKING_URI") else layout.StorageRoot(storage_root).mlflow_artifacts

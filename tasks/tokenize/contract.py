@@ -1,5 +1,5 @@
 """What tokenization hands on: each split's shards, Parquet files of SHARD_SCHEMA rows under
-<root>/tokenized/<content-key>/<split>/ (tasks/core/storage.py), which training reads."""
+<root>/tokenized/<content-key>/<split>/ (tasks/core/layout.py), which training reads."""
 
 from __future__ import annotations
 

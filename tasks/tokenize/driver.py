@@ -14,7 +14,7 @@ from pydantic import BaseModel
 from tokenizers import Tokenizer
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from tasks.core import cluster, jobs, storage
+from tasks.core import cluster, jobs, layout, storage
 from tasks.core.data import Split
 from tasks.core.models import hub_free, training_model
 from tasks.core.progress import Tick, tallied
@@ -40,7 +40,7 @@ class TokenizeKey(BaseModel):
 
     @property
     def target(self) -> str:
-        return storage.StorageRoot(self.root).tokenized(self.digest)
+        return layout.StorageRoot(self.root).tokenized(self.digest)
 
     @property
     def uris(self) -> dict[str, str]:
@@ -50,7 +50,7 @@ class TokenizeKey(BaseModel):
     def shards_exist(self) -> bool:
         """False when the shards a cached result points to are gone or were never completed (an
         interrupted run leaves shards without the marker): then tokenize again."""
-        return storage.exists(storage.join(self.target, storage.MARKER))
+        return storage.exists(storage.join(self.target, layout.MARKER))
 
 
 def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
@@ -141,7 +141,7 @@ def collect(running: dict, written: dict[str, int]) -> None:
 def tokenized_shards(key: TokenizeKey, splits: dict[str, Split], model_name_or_path: str) -> dict[str, str]:
     """The stage's Ray work (tasks/core/jobs.py runs it where the cluster is): the shards, then the marker."""
     uris = key.uris
-    output = storage.OutputFolder(key.target)
+    output = layout.OutputFolder(key.target)
     output.check()
     job = output.start()  # leftovers of an interrupted attempt must not mix with this one
     tokenizer = truncating(load_tokenizer(model_name_or_path), key.max_length)

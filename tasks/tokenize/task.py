@@ -4,7 +4,7 @@ shard set. Its Ray work is tasks/tokenize/driver.py.
 Shards live under a content-addressed prefix and the Prefect cache key is the same content key
 (data hashes, how the files are read, tokenizer hash, max length, storage root): renaming or
 moving the input files, or a new run id, reuses the shards; any change in what would be computed
-recomputes them. The prefix is complete only once storage.MARKER (rows per split) is there,
+recomputes them. The prefix is complete only once layout.MARKER (rows per split) is there,
 written last.
 """
 

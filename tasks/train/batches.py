@@ -25,8 +25,8 @@ import ray.train
 import torch
 
 from tasks.core import storage
-from tasks.core.config import TrainConfig
 from tasks.core.text import padded
+from tasks.core.train_config import TrainConfig
 from tasks.tokenize.contract import SHARD_SCHEMA
 from tasks.train.contract import IGNORED, EvaluationSplit
 

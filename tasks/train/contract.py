@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel
 
-from tasks.core.config import TrainConfig
+from tasks.core.train_config import TrainConfig
 
 
 class Choice(BaseModel):

@@ -3,7 +3,7 @@ raw `train.deepspeed` keys merged over it."""
 
 from __future__ import annotations
 
-from tasks.core.config import TrainConfig
+from tasks.core.train_config import TrainConfig
 from tasks.train.contract import Plan
 
 

@@ -20,10 +20,11 @@ from ray.train.v2._internal.exceptions import WorkerGroupStartupTimeoutError
 from transformers import AutoConfig
 
 from tasks.core import cluster, jobs, storage
-from tasks.core.config import ModelConfig, TrainConfig
+from tasks.core.config import ModelConfig
+from tasks.core.layout import RunStore
 from tasks.core.models import hub_free
 from tasks.core.progress import relayed
-from tasks.core.storage import RunStore
+from tasks.core.train_config import TrainConfig
 from tasks.train.contract import STATE_FILE, EvaluationSplit, Plan, Result, WorkerSpec
 from tasks.train.deepspeed_config import deepspeed_config
 from tasks.train.entry import train_worker

@@ -8,9 +8,10 @@ from pathlib import Path
 from transformers import AutoConfig
 
 from tasks.core import cluster
-from tasks.core.config import ModelConfig, TrainConfig
+from tasks.core.config import ModelConfig
 from tasks.core.first_token import FIRST_TOKEN_CLASSIFIERS
 from tasks.core.models import hub_free
+from tasks.core.train_config import TrainConfig
 from tasks.train import strategy
 from tasks.train.contract import Choice, Plan
 

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 from transformers import AutoConfig, AutoModelForSequenceClassification
 
-from tasks.core.config import AUTO_CHOOSES, TrainConfig
 from tasks.core.models import hub_free
+from tasks.core.train_config import AUTO_CHOOSES, TrainConfig
 from tasks.train.contract import Choice
 
 GIB = 2**30

@@ -17,7 +17,7 @@ from itertools import chain
 import numpy as np
 import ray.train
 
-from tasks.core.config import TrainConfig
+from tasks.core.train_config import TrainConfig
 
 
 def drawn(micro_batch: int, cfg: TrainConfig, epoch: int) -> Iterator[dict[str, np.ndarray]]:

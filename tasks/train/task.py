@@ -6,8 +6,9 @@ from __future__ import annotations
 from prefect import get_run_logger, task
 
 from tasks.core import jobs
-from tasks.core.config import ModelConfig, TrainConfig
-from tasks.core.storage import RunStore
+from tasks.core.config import ModelConfig
+from tasks.core.layout import RunStore
+from tasks.core.train_config import TrainConfig
 from tasks.prefect_side.live import Tracked
 from tasks.prefect_side.retries import RETRY_TRANSIENT
 from tasks.train.contract import Result

@@ -19,8 +19,8 @@ import ray
 from ray.train import UserCallback
 
 from tasks.core import storage
-from tasks.core.config import first_line
 from tasks.core.progress import Beat, beat, last_beat, periodically, say
+from tasks.core.strict import first_line
 from tasks.train import stall
 
 BEAT_EVERY_S = 1.0  # how often a worker's heartbeat is posted, when it changed

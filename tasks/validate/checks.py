@@ -12,11 +12,12 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from tasks.core import storage
+from tasks.core import layout, storage
 from tasks.core.config import BatchInferParams, DataConfig, FinetuneParams, InferenceConfig, default_storage_root
 from tasks.core.data import SPLITS, Split, check_columns, expand_inputs, load_splits
+from tasks.core.layout import OutputFolder, RunStore, refuse_overlap
 from tasks.core.models import saved_model, training_model
-from tasks.core.storage import OutputFolder, RunStore, check_writable, refuse_overlap
+from tasks.core.storage import check_writable
 from tasks.promote.contract import resolve
 
 
@@ -77,7 +78,7 @@ def run_inputs(params: FinetuneParams, store: RunStore | None) -> RunInputs:
     if store is not None:
         store.check()  # and outputs that would overwrite what ftflow did not write
     outputs = [
-        storage.StorageRoot(params.storage_root).champion(params.promotion.model_name),
+        layout.StorageRoot(params.storage_root).champion(params.promotion.model_name),
         *([store.base] if store else []),
     ]
     refuse_overlap(outputs, inputs.read(params))
