@@ -9,7 +9,8 @@ import os
 import time
 
 from tasks.train import stall
-from tasks.train.stall import REDACTED, Process, report, top_frame
+from tasks.train.stall import Process, report, top_frame
+from tasks.train.stall_node import REDACTED
 
 SECRET = "hf_stall-test-secret-0123456789"
 ENV = {"env_vars": {"HF_HOME": "/tmp/ftflow-stall-hf-home", "HF_TOKEN": SECRET}}

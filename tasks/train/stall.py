@@ -31,14 +31,9 @@ import json
 import logging
 import os
 import re
-import shutil
-import subprocess
-import sys
 import time
-from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
 import ray
@@ -49,17 +44,21 @@ from ray.core.generated import common_pb2, gcs_pb2
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from tasks.core import storage
+from tasks.train.stall_node import (
+    REDACTED,
+    SETTINGS,
+    TAIL_LINES,
+    NodeReport,
+    Probed,
+    attempt,
+    on_node,
+    secret_values,
+)
 
 log = logging.getLogger(__name__)
 
 NODE_TIMEOUT_S = 15.0  # a node that has not answered by then is named as silent: the report stays well under 30 s
-COMMAND_TIMEOUT_S = 10.0  # py-spy, nvidia-smi: either can hang on a wedged process or GPU
-TAIL_LINES, TAIL_BYTES = 50, 64 * 1024  # the end of a log file, read without reading all of it
 MAX_DEAD = 8  # the most recent dead processes reported: a long run's retries can leave many
-SETTINGS = ("NCCL_", "CUDA_", "HF_", "TORCH_NCCL_")  # what decides how collectives, devices and the hub behave
-SECRET = re.compile(r"TOKEN|SECRET|KEY|PASSWORD|CREDENTIAL", re.IGNORECASE)
-REDACTED = "<redacted>"
-MIN_SECRET_CHARS = 8  # shorter values of secret-named settings ("1", "true") would blank unrelated text
 # Ray's names for the actors a stalled run may wait on (Ray 2.60: ray/train/v2/_internal/execution/controller,
 # ray/data/_internal/iterator/stream_split_iterator.py).
 RAY_ACTORS = {"TrainController": "controller", "SplitCoordinator": "split coordinator"}
@@ -71,11 +70,6 @@ DELIBERATE_ENDS = {
     common_pb2.ActorDiedErrorContext.REF_DELETED,
     common_pb2.ActorDiedErrorContext.RAY_KILL,
 }
-PTRACE_HINT = (
-    "py-spy needs ptrace rights over Ray's workers: run it as root, or give the container the SYS_PTRACE "
-    "capability (Kubernetes: securityContext.capabilities.add: [SYS_PTRACE]); under kernel.yama.ptrace_scope >= 1 "
-    "an unprivileged user may not trace a process that is not its child, and --nonblocking needs the same rights"
-)
 
 
 class Process(BaseModel):
@@ -232,7 +226,7 @@ def dispatch(out: Folder, dumped: list[Process], workers: list[Process], dead: l
     return pending
 
 
-def collect(out: Folder, pending: dict[str, ray.ObjectRef]) -> dict[str, dict]:
+def collect(out: Folder, pending: dict[str, ray.ObjectRef]) -> dict[str, NodeReport]:
     """Each node's answer, waiting NODE_TIMEOUT_S at most for all; a silent node's task is ended (py-spy stuck on
     a process must not hold a worker) and the node named."""
     refs = list(pending.values())
@@ -248,17 +242,17 @@ def collect(out: Folder, pending: dict[str, ray.ObjectRef]) -> dict[str, dict]:
 
 
 def write_results(
-    out: Folder, results: dict[str, dict], dumped: list[Process], workers: list[Process]
+    out: Folder, results: dict[str, NodeReport], dumped: list[Process], workers: list[Process]
 ) -> dict[str, str]:
     """Write what the nodes sent; returns the stacks, by `what`."""
     for result in results.values():
-        out.secrets |= set(result["secrets"])
+        out.secrets |= set(result.secrets)
     stacks, environment = {}, {}
     for process in dumped:
         result = results.get(process.node_id)
         if result is None:
             continue
-        if text := out.part(f"stack of {process.what}", result["stacks"][process.what]):
+        if text := out.part(f"stack of {process.what}", result.stacks[process.what]):
             stacks[process.what] = text
             out.text(
                 f"stacks/{slug(process.what)}.txt",
@@ -268,7 +262,7 @@ def write_results(
     for process in workers:
         if process.node_id in results:
             environment[process.what] = out.part(
-                f"environment of {process.what}", results[process.node_id]["environs"][process.what]
+                f"environment of {process.what}", results[process.node_id].environs[process.what]
             )
     out.json(
         "environment.json",
@@ -277,9 +271,9 @@ def write_results(
         "started (/proc/<pid>/environ: what a process set in itself later is not there), secrets as <redacted>",
     )
     for node, result in results.items():
-        if "nvidia_smi" in result and (text := out.part(f"nvidia-smi on node {node}", result["nvidia_smi"])):
+        if result.nvidia_smi and (text := out.part(f"nvidia-smi on node {node}", result.nvidia_smi)):
             out.text(f"nvidia-smi/{node[:12]}.txt", text, f"nvidia-smi on node {node}")
-        for name, tails in result["logs"].items():
+        for name, tails in result.logs.items():
             for suffix, text in (out.part(f"log of {name}", tails) or {}).items():
                 out.text(
                     f"logs/{name}.{suffix}",
@@ -306,116 +300,6 @@ def top_frame(dump: str) -> str:
     return next(iter(training + main), "")
 
 
-# On each node -----------------------------------------------------------------------------------
-
-
-@ray.remote(num_cpus=0, max_retries=0)
-def on_node(stacks: dict[str, int], environs: dict[str, int], logs: dict[str, int], gpu: bool) -> dict:
-    """What only this node sees, each part {"value": ...} or {"error": why}: py-spy stacks of `stacks` (what: pid),
-    the settings of `environs`, the log tails of `logs` (name: pid), nvidia-smi when `gpu`; and the values of the
-    secret settings met (in this task's own environment and the processes'), for the driver to cut from what it
-    writes. The commands run side by side: each may wait COMMAND_TIMEOUT_S."""
-    with ThreadPoolExecutor(max_workers=len(stacks) + 1) as pool:
-        dumps = {what: pool.submit(attempt, py_spy, pid) for what, pid in stacks.items()}
-        smi = pool.submit(attempt, nvidia_smi) if gpu else None
-        environments = {what: attempt(read_environ, pid) for what, pid in (stacks | environs).items()}
-        result = {
-            "environs": {
-                what: attempt(settings, environments[what]["value"])
-                if "value" in environments[what]
-                else environments[what]
-                for what in environs
-            },
-            "logs": {name: attempt(log_tails, pid) for name, pid in logs.items()},
-            "secrets": sorted(
-                secret_values(os.environ)
-                | {
-                    value
-                    for environment in environments.values()
-                    for value in secret_values(environment.get("value", {}))
-                }
-            ),
-            "stacks": {what: dump.result() for what, dump in dumps.items()},
-        }
-        if smi:
-            result["nvidia_smi"] = smi.result()
-    return result
-
-
-def attempt(function: Callable, *args: Any) -> dict:
-    try:
-        return {"value": function(*args)}
-    except Exception as error:  # noqa: BLE001 -- a probe that fails is a line of the stall report
-        return {"error": f"{type(error).__name__}: {error}"}
-
-
-def py_spy(pid: int) -> str:
-    """`py-spy dump` of pid, by the py-spy of this worker's own environment (ray[default] installs it)."""
-    beside = Path(sys.executable).with_name("py-spy")
-    binary = str(beside) if beside.exists() else shutil.which("py-spy")
-    if not binary:
-        raise FileNotFoundError(f"no py-spy beside {sys.executable} or on PATH (it comes with ray[default])")
-    # RUST_BACKTRACE=0: py-spy's own backtrace would bury its one-line reason.
-    done = subprocess.run(
-        [binary, "dump", "--pid", str(pid)],
-        capture_output=True,
-        text=True,
-        timeout=COMMAND_TIMEOUT_S,
-        env={**os.environ, "RUST_BACKTRACE": "0"},
-    )
-    if done.returncode:
-        reason = " ".join(done.stderr.split())
-        raise RuntimeError(f"{reason} ({PTRACE_HINT})" if "ermission" in reason else reason)
-    return done.stdout
-
-
-def nvidia_smi() -> str:
-    if not shutil.which("nvidia-smi"):
-        raise FileNotFoundError("nvidia-smi is not installed on this node")
-    done = subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S)
-    if done.returncode:
-        raise RuntimeError(" ".join((done.stdout + done.stderr).split()))
-    return done.stdout
-
-
-def read_environ(pid: int) -> dict[str, str]:
-    """The environment pid started with."""
-    entries = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0")
-    return dict(entry.split("=", 1) for entry in entries if "=" in entry)
-
-
-def settings(environment: dict[str, str]) -> dict[str, str]:
-    return {
-        name: REDACTED if SECRET.search(name) else value
-        for name, value in sorted(environment.items())
-        if name.startswith(SETTINGS)
-    }
-
-
-def secret_values(environment: Mapping[str, str]) -> set[str]:
-    return {value for name, value in environment.items() if SECRET.search(name) and len(value) >= MIN_SECRET_CHARS}
-
-
-def log_tails(pid: int) -> dict[str, str]:
-    """The last lines of pid's worker-<id>-<job>-<pid>.out and .err in this node's Ray session logs (the newest
-    of each, should the pid have been reused)."""
-    logs = Path(ray._private.worker.global_worker.node.get_logs_dir_path())  # no public call names it
-    tails = {}
-    for suffix in ("out", "err"):
-        found = sorted(logs.glob(f"worker-*-{pid}.{suffix}"), key=lambda path: path.stat().st_mtime)
-        if found:
-            tails[suffix] = tail(found[-1])
-    if not tails:
-        raise FileNotFoundError(f"no worker-*-{pid}.out or .err under {logs}")
-    return tails
-
-
-def tail(path: Path) -> str:
-    with open(path, "rb") as f:
-        f.seek(max(0, f.seek(0, os.SEEK_END) - TAIL_BYTES))
-        return b"\n".join(f.read().splitlines()[-TAIL_LINES:]).decode(errors="replace") + "\n"
-
-
 # The folder ---------------------------------------------------------------------------------------
 
 
@@ -435,16 +319,14 @@ class Folder:
         self.failures: list[str] = []
 
     def attempt(self, what: str, function: Callable[[], Any], default: Any) -> Any:
-        result = attempt(function)
-        if "error" in result:
-            self.failures.append(f"{what}: {result['error']}")
-        return result.get("value", default)
+        return self.part(what, attempt(function), default)
 
-    def part(self, what: str, part: dict) -> Any:
-        """A node's part's value, or None with its failure kept."""
-        if "error" in part:
-            self.failures.append(f"{what}: {part['error']}")
-        return part.get("value")
+    def part(self, what: str, part: Probed, default: Any = None) -> Any:
+        """A part's value, or `default` with its failure kept."""
+        if part.error is not None:
+            self.failures.append(f"{what}: {part.error}")
+            return default
+        return part.value
 
     def text(self, name: str, text: str, about: str) -> None:
         for secret in sorted(self.secrets, key=len, reverse=True):  # longest first: one secret may hold another
