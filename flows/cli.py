@@ -20,16 +20,16 @@ import inspect
 import json
 import sys
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, NoReturn
+from typing import Annotated, NoReturn
 
 import typer
 import typer._click as click  # typer 0.29 carries its own click: its exceptions are these
-import yaml
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 
 from flows import console
+from flows.params import BadInput, as_yaml, escape, fields_help, finetune_params, value
 from tasks.core.config import RAY_ADDRESS, BatchInferParams, FinetuneParams, default_storage_root
 from tasks.core.strict import first_line as config_first_line
 from tasks.core.strict import one_line
@@ -53,99 +53,6 @@ Debug = Annotated[bool, typer.Option("--debug", help="On an error, show its trac
 BAD_INPUT = (ValidationError, ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
 
 
-class BadInput(Exception):
-    """A parameter the command refuses: one line, exit code 2."""
-
-
-def fields(model: type[BaseModel], prefix: str = "") -> Iterator[tuple[str, Any, str]]:
-    """(dotted name, default, description) of every leaf field of a parameter model, in order."""
-    for name, field in model.model_fields.items():
-        kind = field.annotation
-        if isinstance(kind, type) and issubclass(kind, BaseModel):
-            yield from fields(kind, f"{prefix}{name}.")
-        else:
-            yield f"{prefix}{name}", field.get_default(call_default_factory=True), field.description or ""
-
-
-def fields_help(model: type[BaseModel]) -> str:
-    """--help's list of every field, its default and description (rich markup, a paragraph each)."""
-    return "\n\n".join(
-        f"[bold]{name}[/] = {json.dumps(default)}" + (f"  {escape(about)}" if about else "")
-        for name, default, about in fields(model)
-    )
-
-
-def escape(text: str) -> str:
-    return text.replace("[", r"\[")
-
-
-def as_yaml(model: type[BaseModel]) -> str:
-    """The defaults as a YAML file for --params, each field under its description as a comment."""
-    lines = ["# ftflow run --params <this file>: FinetuneParams; leave out what keeps its default."]
-    section = None
-    for name, default, about in fields(model):
-        *parents, leaf = name.split(".")
-        if parents and parents[0] != section:
-            section = parents[0]
-            lines.append(f"{section}:")
-        indent = "  " if parents else ""
-        if about:
-            lines.append(f"{indent}# {about}")
-        lines.append(f"{indent}{leaf}: {json.dumps(default)}")  # JSON is YAML: quoted paths, lists, null
-    return "\n".join(lines) + "\n"
-
-
-def value(text: str) -> Any:
-    """A --set or option value as YAML reads it: 3 -> int, 1e-4 -> float, [a, b] -> list, null -> None."""
-    try:
-        parsed = yaml.safe_load(text)
-    except yaml.YAMLError:
-        return text
-    return text if parsed is None and text.strip() not in ("null", "~", "None") else parsed
-
-
-def assigned(params: dict, assignment: str) -> dict:
-    """params with one `a.b=v` of --set applied (a copy)."""
-    path, sep, text = assignment.partition("=")
-    if not sep or not path:
-        raise BadInput(f"--set {assignment}: expected FIELD=VALUE, e.g. train.epochs=3")
-    *parents, leaf = path.strip().split(".")
-    result = json.loads(json.dumps(params))
-    where = result
-    for parent in parents:
-        where = where.setdefault(parent, {})
-        if not isinstance(where, dict):
-            raise BadInput(f"--set {assignment}: {parent} is not a group of fields")
-    where[leaf] = value(text)
-    return result
-
-
-def read_params(path: Path) -> dict:
-    try:
-        text = path.read_text()
-        given = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
-    except OSError as error:
-        raise BadInput(f"{path}: {error.strerror}") from None
-    except (json.JSONDecodeError, yaml.YAMLError) as error:
-        raise BadInput(
-            f"{path}: not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {' '.join(str(error).split())}"
-        ) from None
-    if not isinstance(given or {}, dict):
-        raise BadInput(f"{path}: expected a mapping of parameters, got {type(given).__name__}")
-    return given or {}
-
-
-def finetune_params(params_file: Path | None, assignments: list[str]) -> FinetuneParams:
-    given = read_params(params_file) if params_file else {}
-    for assignment in assignments:
-        given = assigned(given, assignment)
-    try:
-        return FinetuneParams.model_validate(given)
-    except ValidationError as error:
-        where = f"{params_file}: " if params_file else ""
-        raise BadInput(where + one_line(error)) from None
-
-
 @app.command(epilog="[bold]Fields[/] (--set NAME=VALUE, or in the --params file):\n\n" + fields_help(FinetuneParams))
 def run(
     params_file: Annotated[
@@ -161,7 +68,7 @@ def run(
 ) -> None:
     """Fine-tune, evaluate, promote and label: the finetune flow, on the embedded defaults unless told."""
     params = finetune_params(params_file, assignments)
-    from tasks.core.storage import RunStore
+    from tasks.core.layout import RunStore
     from tasks.validate.checks import run_inputs  # the flow's own checks of the data, model and storage
 
     run_inputs(params, RunStore(params.storage_root, params.run_id) if params.run_id else None)

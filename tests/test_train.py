@@ -355,7 +355,7 @@ from pathlib import Path
 import ray
 from ray.cluster_utils import Cluster
 from tasks.core.config import ModelConfig, TrainConfig
-from tasks.core.storage import RunStore
+from tasks.core.layout import RunStore
 from tasks.train.driver import fit
 tokenized, model, cfg, run_dir = json.loads(sys.argv[1]), sys.argv[2], TrainConfig.model_validate_json(sys.argv[3]), sys.argv[4]
 cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
