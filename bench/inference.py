@@ -152,7 +152,7 @@ def main() -> None:
             with peak_ray_worker_rss() as peak:
                 config = InferenceConfig(input_uri=str(corpus), batch_size=BATCH, precision=args.precision)
                 labelled, ftflow_s = timed(partial(predict_files, model, config, out))
-            ftflow_rows = labelled["rows"]
+            ftflow_rows = labelled.rows
             assert plain_rows == ftflow_rows == rows == len(pd.read_parquet(out)), (plain_rows, ftflow_rows, rows)
             print(
                 f"RESULT {args.model} {rows}: plain {rows / plain_s:.0f} rows/s, ftflow {rows / ftflow_s:.0f} rows/s",

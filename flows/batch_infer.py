@@ -7,13 +7,14 @@ from prefect.runtime import flow_run
 
 from tasks.core.config import BatchInferParams
 from tasks.core.reaper import reap_on_exit
+from tasks.infer.contract import Labelled
 from tasks.infer.task import predict_files
 from tasks.report.task import Stopwatch, publish_inference_report
 from tasks.validate.checks import batch_infer_inputs
 
 
 @flow(name="batch_infer")
-def batch_infer(params: BatchInferParams) -> dict:
+def batch_infer(params: BatchInferParams) -> Labelled:
     """Label every row of the input files (files, directories or globs; local or s3://) with a model."""
     reap_on_exit()  # this process's Prefect server and local Ray end with it, even if it is killed
     # Bad input stops here, before any cluster work (`ftflow infer` checked it before Prefect started).
@@ -24,4 +25,4 @@ def batch_infer(params: BatchInferParams) -> dict:
             model_uri, cfg, params.output_uri, params.ray_address
         )
     publish_inference_report(params.model_uri, model_uri, flow_run.parameters["params"], result)
-    return result.model_dump()
+    return result

@@ -84,11 +84,11 @@ def run(
         summary = finetune(params)
         say.result(
             {
-                "test accuracy": f"{summary['test_accuracy']:.4f}",
-                "promoted": "yes" if summary["promoted"] else "no",
-                "run id": summary["run_id"],
-                "artifacts": summary["run_dir"],
-                "report": summary["report"],
+                "test accuracy": f"{summary.test_accuracy:.4f}",
+                "promoted": "yes" if summary.promoted else "no",
+                "run id": summary.run_id,
+                "artifacts": summary.run_dir,
+                "report": summary.report,
             }
         )
 
@@ -184,7 +184,7 @@ def infer(
 
         api_answering()
         result = batch_infer(params)
-        say.result({"rows": f"{result['rows']:,}", "rows/s": f"{result['rows_per_s']:,.0f}", "predictions": output_uri})
+        say.result({"rows": f"{result.rows:,}", "rows/s": f"{result.rows_per_s:,.0f}", "predictions": output_uri})
 
 
 @stack_app.command()

@@ -4,16 +4,18 @@ from __future__ import annotations
 
 from prefect import flow, get_run_logger
 from prefect.context import FlowRunContext
+from pydantic import BaseModel
 
 from tasks.core import cluster
 from tasks.core.config import FinetuneParams
 from tasks.core.layout import RunStore, refuse_overlap
 from tasks.core.progress import RUN_DIR
 from tasks.core.reaper import reap_on_exit
+from tasks.evaluate.contract import Metrics
 from tasks.evaluate.task import evaluate
 from tasks.infer.task import predict_files, write_test_labels
 from tasks.promote.task import promote
-from tasks.report.manifest import Outputs, Results, write_manifest
+from tasks.report.manifest import DataRecord, Outputs, Results, write_manifest
 from tasks.report.task import Stopwatch, publish_report
 from tasks.report.tracking import import_beside, track
 from tasks.tokenize.driver import load_tokenizer, tokenize_key
@@ -21,6 +23,18 @@ from tasks.tokenize.task import tokenize
 from tasks.train.plan import check_parallelism
 from tasks.train.task import check_training_plan, train
 from tasks.validate.checks import run_inputs
+
+
+class RunSummary(BaseModel):
+    """What a finetune run returns (the `ftflow run` command prints it): where the run is, how its model
+    scored on the test split, and whether it became the champion."""
+
+    run_id: str
+    run_dir: str
+    report: str
+    test_accuracy: float
+    metrics: Metrics
+    promoted: bool
 
 
 def new_run_id() -> str:
@@ -32,7 +46,7 @@ def new_run_id() -> str:
 
 
 @flow(name="finetune")
-def finetune(params: FinetuneParams = FinetuneParams()) -> dict:
+def finetune(params: FinetuneParams = FinetuneParams()) -> RunSummary:
     """Fine-tune a Hugging Face classifier and label a corpus with it."""
     reap_on_exit()  # this process's Prefect server and local Ray end with it, even if it is killed
     logger = get_run_logger()
@@ -92,22 +106,17 @@ def finetune(params: FinetuneParams = FinetuneParams()) -> dict:
     write_manifest(
         store.manifest,
         config=config,
-        data={
-            "splits": {
-                n: {"uris": list(s.uris), "sha256": s.sha256, "rows": s.total_rows} for n, s in inputs.splits.items()
-            },
-            "tokenize_key": key.model_dump(),
-        },
+        data=DataRecord.of(inputs.splits, key),
         outputs=outputs,
         results=results,
         seconds=took.seconds,
     )
     track(params, store, results, took.seconds)  # to MLflow; a warning, never a failure, when it cannot
-    return {
-        "run_id": store.run_id,
-        "run_dir": store.base,
-        "report": store.report_md,
-        "test_accuracy": metrics.accuracy,
-        "metrics": metrics.model_dump(),
-        "promoted": promotion.promoted,
-    }
+    return RunSummary(
+        run_id=store.run_id,
+        run_dir=store.base,
+        report=store.report_md,
+        test_accuracy=metrics.accuracy,
+        metrics=metrics,
+        promoted=promotion.promoted,
+    )

@@ -19,7 +19,7 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, LogFilter, LogFilterFlowRunId
 
 from tasks.core import cluster, layout, progress, storage
-from tasks.core.data import DataError, Piece, iter_frames
+from tasks.core.data import DataError, iter_frames
 from tasks.core.layout import MARKER
 from tasks.infer import driver as infer
 from tasks.infer.worker import Counts
@@ -57,9 +57,9 @@ def test_every_row_of_every_file_gets_one_prediction(ray_cluster, tiny_model, co
     monkeypatch.setattr(progress, "REPORT_EVERY_S", 0.5)
     state = run_batch_infer(str(tiny_model), str(corpus), str(tmp_path / "predictions"), return_state=True)
     out = state.result()
-    assert out.pop("seconds") > 0 and out.pop("rows_per_s") > 0 and out.pop("parts") == 3
-    assert out.pop("actors") == 1, "600 rows: one actor with every CPU, not two each starting a model"
-    assert out == {"output_uri": str(tmp_path / "predictions"), "rows": 600, "files": 3}
+    assert out.seconds > 0 and out.rows_per_s > 0 and out.parts == 3
+    assert out.actors == 1, "600 rows: one actor with every CPU, not two each starting a model"
+    assert (out.output_uri, out.rows, out.files) == (str(tmp_path / "predictions"), 600, 3)
     messages, artifacts = prefect_records(state.state_details.flow_run_id)
     # Progress every 0.5 s once an actor has labelled rows (none while the actors load: a line of
     # zeros read like a result), then the final tick and line.
@@ -122,8 +122,8 @@ def test_missing_input_or_model_is_refused_before_ray(tiny_model, tmp_path):
 def test_a_list_of_inputs_shared_by_two_actors_in_small_windows(ray_cluster, tiny_model, corpus, tmp_path):
     inputs = [str(corpus / "sub"), str(corpus / "*.jsonl"), str(corpus / "a.jsonl")]
     out = run_batch_infer(str(tiny_model), inputs, str(tmp_path / "predictions"), window_rows=64, actors=2)
-    assert out["rows"] == 500 and out["files"] == 2  # a.jsonl named twice is read once
-    assert out["parts"] > 2, "a.jsonl cut into pieces, so that both actors have work"
+    assert out.rows == 500 and out.files == 2  # a.jsonl named twice is read once
+    assert out.parts > 2, "a.jsonl cut into pieces, so that both actors have work"
     table = pq.read_table(tmp_path / "predictions").to_pandas().set_index("id")
     expected = {f"a.jsonl:{i}": f"review {i} was good" for i in range(300)} | {
         f"sub/b.csv.gz:{i}": f"film {i} bored me" for i in range(200)
@@ -151,7 +151,7 @@ def test_every_row_of_a_hundred_files_gets_one_prediction(ray_cluster, tiny_mode
         )
     inputs = [str(path) for path in sorted((tmp_path / "corpus").iterdir())]
     out = run_batch_infer(str(tiny_model), inputs, str(tmp_path / "predictions"), id_column="doc")
-    assert out["rows"] == files * per_file
+    assert out.rows == files * per_file
     ids = pq.read_table(tmp_path / "predictions", columns=["id"]).column("id").to_pandas()
     assert ids.is_unique and set(ids) == {f"d{i}" for i in range(files * per_file)}
 
@@ -169,16 +169,15 @@ def test_any_layout_of_files_is_cut_into_even_parts_that_keep_row_numbers(tmp_pa
         assert len(parts) >= 8
         texts = {}
         for part in parts:
-            piece = Piece(part["uri"], part["start"], part["stop"], part["size"], file_row=part["file_row"])
-            frame = pd.concat(iter_frames(str(big), piece=piece), ignore_index=True)
-            texts |= {part["file_row"] + i: text for i, text in enumerate(frame["text"])}
+            frame = pd.concat(iter_frames(str(big), piece=part.piece), ignore_index=True)
+            texts |= {part.file_row + i: text for i, text in enumerate(frame["text"])}
         assert texts == {i: f"review {i}" for i in range(1000)}, big.name
     small = []
     for f in range(16):
         small.append(tmp_path / f"part-{f:02d}.jsonl")
         write_jsonl(small[-1], [{"text": f"review {i}"} for i in range(625)])
     parts = infer.cut_in_parts({str(path): path.stat().st_size for path in small}, actors=2)
-    assert [(part["name"], part["start"], part["file_row"]) for part in parts] == [(path.name, 0, 0) for path in small]
+    assert [(part.name, part.start, part.file_row) for part in parts] == [(path.name, 0, 0) for path in small]
 
 
 def test_a_job_killed_mid_way_and_run_again_labels_every_row_once(ray_stopped, tiny_model, tmp_path):
@@ -210,7 +209,7 @@ def test_a_job_killed_mid_way_and_run_again_labels_every_row_once(ray_stopped, t
     assert not (output / MARKER).exists(), "a killed job's output looks complete"
 
     cluster.connect()
-    assert run_batch_infer(*job, id_column="doc")["rows"] == files * per_file
+    assert run_batch_infer(*job, id_column="doc").rows == files * per_file
     ids = pq.read_table(output, columns=["id"]).column("id").to_pandas()
     assert ids.is_unique and set(ids) == {f"d{i}" for i in range(files * per_file)}
     marker = json.loads((output / MARKER).read_text())

@@ -184,7 +184,7 @@ def test_finetune_from_outside_the_cluster_as_ray_jobs(tiny_model, s3_data, tmp_
         head.wait(timeout=60)
 
     run_dir = re.search(r"artifacts: +(\S+)", run.stdout)[1]
-    check_run(run_dir, {"test_accuracy": storage.read_json(storage.join(run_dir, "metrics.json"))["accuracy"]}, s3_data)
+    check_run(run_dir, storage.read_json(storage.join(run_dir, "metrics.json"))["accuracy"], s3_data)
     # Every Ray driver was a job the flow submitted (a driver joining the cluster would be listed too).
     assert {job.type for job in jobs} == {JobType.SUBMISSION}
     stages = sorted(job.submission_id.split("-")[1] for job in jobs if job.status == JobStatus.SUCCEEDED)
@@ -420,7 +420,7 @@ def test_finetune_on_a_token_secured_cluster_that_grows_and_shrinks(tiny_model, 
     run_dir = re.search(r"artifacts: +(\S+)", run.stdout)[1]
     accuracy = storage.read_json(storage.join(run_dir, "metrics.json"))["accuracy"]
     assert f"test accuracy: {accuracy:.4f}" in run.stdout
-    manifest = check_run(run_dir, {"test_accuracy": accuracy}, s3_data)
+    manifest = check_run(run_dir, accuracy, s3_data)
     assert len(set(manifest["metrics"]["training"]["nodes"])) == 2, "one worker per added node: 2 CPUs each, 3 per node"
     # The head reports the machine's address; its port says which cluster the run used.
     assert manifest["cluster"]["gcs_address"].endswith(f":{port}"), "the run used the cluster it was pointed at"

@@ -57,11 +57,11 @@ def params(tiny_model, data: dict, root: str) -> FinetuneParams:
     )
 
 
-def check_run(run_dir: str, summary: dict, data: dict) -> dict:
+def check_run(run_dir: str, test_accuracy: float, data: dict) -> dict:
     """What a user checks after a run: manifest, metrics, a loadable model, one prediction per row."""
     manifest = storage.read_json(storage.join(run_dir, "manifest.json"))
     metrics = storage.read_json(storage.join(run_dir, "metrics.json"))
-    assert manifest["metrics"]["test"] == metrics and metrics["accuracy"] == summary["test_accuracy"]
+    assert manifest["metrics"]["test"] == metrics and metrics["accuracy"] == test_accuracy
     assert metrics["accuracy"] > 0.6, "the tiny model should learn something from 2048 reviews"
     assert sum(map(sum, metrics["confusion_matrix"])) == metrics["rows"] == 128
     assert set(metrics) >= {"accuracy", "macro_f1", "confusion_matrix"}
@@ -171,8 +171,8 @@ def test_finetune_on_local_storage(local_run, small_data):
     run_params, state, seen = local_run
     summary = state.result()
     assert any(lines and 0 < percent < 100 for lines, [percent] in seen), f"nothing live while training ran: {seen}"
-    assert Path(summary["run_dir"]).parent == Path(run_params.storage_root) / "runs"
-    check_run(summary["run_dir"], summary, small_data)
+    assert Path(summary.run_dir).parent == Path(run_params.storage_root) / "runs"
+    check_run(summary.run_dir, summary.test_accuracy, small_data)
     artifacts = run_artifacts(state.state_details.flow_run_id)
     assert {"test-metrics", "confusion-matrix", "promotion", "run-metrics"} <= set(artifacts)
     # The UI's copy of the report carries its two plots inline: the UI cannot read the store.
@@ -198,9 +198,9 @@ def test_finetune_on_s3_survives_faults_and_leaks_no_credential(faulty_s3, tiny_
     root = f"s3://{BUCKET}/faults-{uuid.uuid4().hex[:8]}"
     state = finetune(params(tiny_model, s3_data, root), return_state=True)
     summary = state.result()
-    assert summary["run_dir"].startswith(f"{root}/runs/")
-    manifest = check_run(summary["run_dir"], summary, s3_data)
-    assert manifest["outputs"]["model"] == f"{summary['run_dir']}/model"
+    assert summary.run_dir.startswith(f"{root}/runs/")
+    manifest = check_run(summary.run_dir, summary.test_accuracy, s3_data)
+    assert manifest["outputs"]["model"] == f"{summary.run_dir}/model"
     counts = faulty_s3()
     assert counts["InternalError"] and counts["SlowDown"] and counts["dropped"], counts
 
@@ -290,7 +290,7 @@ def test_a_flow_run_that_fails_mid_training_is_retried_and_resumes_in_the_same_r
             "the flow run failed once, then was retried"
         )
     [run_dir] = (tmp_path / "store" / "runs").iterdir()
-    manifest = check_run(str(run_dir), state.result(), small_data)
+    manifest = check_run(str(run_dir), state.result().test_accuracy, small_data)
     assert manifest["metrics"]["training"]["history"][-1]["resumed_from_step"] > 0, "the retry trained from step 0"
 
 

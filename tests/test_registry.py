@@ -42,20 +42,18 @@ def test_a_model_that_loses_leaves_the_champion_untouched(local_run, tmp_path):
     first_params, first_state, _ = local_run
     first, root = first_state.result(), first_params.storage_root
     pointer = layout.StorageRoot(root).champion("sentiment")
-    assert first["promoted"] and storage.read_json(pointer)["model_uri"] == f"{first['run_dir']}/model"
+    assert first.promoted and storage.read_json(pointer)["model_uri"] == f"{first.run_dir}/model"
     before = storage.filesystem(pointer)[0].cat_file(pointer)
 
     # The same training again cannot beat the champion by a margin of 0.5: it must lose.
     losing = first_params.model_copy(update={"promotion": PromotionConfig(margin=0.5)})
     second = finetune(losing)
-    assert not second["promoted"]
+    assert not second.promoted
     assert storage.filesystem(pointer)[0].cat_file(pointer) == before, "the champion pointer changed"
-    decision = storage.read_json(storage.join(second["run_dir"], "manifest.json"))["metrics"]["promotion"]
-    assert decision["champion"] == pytest.approx(first["test_accuracy"]), (
-        "the champion is scored on the same test split"
-    )
-    assert "< the champion's" in decision["reason"] and decision["previous_champion_uri"] == f"{first['run_dir']}/model"
-    report = (Path(root) / "runs" / second["run_id"] / "report" / "report.md").read_text()
+    decision = storage.read_json(storage.join(second.run_dir, "manifest.json"))["metrics"]["promotion"]
+    assert decision["champion"] == pytest.approx(first.test_accuracy), "the champion is scored on the same test split"
+    assert "< the champion's" in decision["reason"] and decision["previous_champion_uri"] == f"{first.run_dir}/model"
+    report = (Path(root) / "runs" / second.run_id / "report" / "report.md").read_text()
     assert f"Promotion: **not promoted: `sentiment`'s champion is unchanged** ({decision['reason']})" in report
 
     # Both runs side by side in MLflow (the default store under the storage root), as a person compares them.
@@ -63,14 +61,13 @@ def test_a_model_that_loses_leaves_the_champion_untouched(local_run, tmp_path):
     runs = {
         run.info.run_name: run for run in client.search_runs([client.get_experiment_by_name("sentiment").experiment_id])
     }
-    assert set(runs) == {first["run_id"], second["run_id"]}
+    assert set(runs) == {first.run_id, second.run_id}
     for summary, promoted in ((first, "true"), (second, "false")):
-        run = runs[summary["run_id"]]
+        run = runs[summary.run_id]
         assert (
-            run.data.metrics["test_accuracy"] == summary["test_accuracy"]
-            and run.data.tags["ftflow.promoted"] == promoted
+            run.data.metrics["test_accuracy"] == summary.test_accuracy and run.data.tags["ftflow.promoted"] == promoted
         )
-        assert run.data.tags["ftflow.model_uri"] == f"{summary['run_dir']}/model" and run.data.params[
+        assert run.data.tags["ftflow.model_uri"] == f"{summary.run_dir}/model" and run.data.params[
             "promotion.margin"
         ] in ("0.0", "0.5")
         assert [m.step for m in client.get_metric_history(run.info.run_id, "train_loss")] == list(range(10, 251, 10))
@@ -78,13 +75,13 @@ def test_a_model_that_loses_leaves_the_champion_untouched(local_run, tmp_path):
             "report/report.md",
             "report/training.png",
         }
-    assert runs[second["run_id"]].data.tags["ftflow.promotion"] == decision["reason"]
+    assert runs[second.run_id].data.tags["ftflow.promotion"] == decision["reason"]
 
     out = run_batch_infer(
         "models/sentiment@champion", first_params.data.test_uri, str(tmp_path / "labelled"), storage_root=root
     )
-    assert out["rows"] == 128 and len(pq.read_table(tmp_path / "labelled")) == 128
-    assert storage.read_json(str(tmp_path / "labelled" / MARKER))["model"]["uri"] == f"{first['run_dir']}/model"
+    assert out.rows == 128 and len(pq.read_table(tmp_path / "labelled")) == 128
+    assert storage.read_json(str(tmp_path / "labelled" / MARKER))["model"]["uri"] == f"{first.run_dir}/model"
 
 
 def test_the_champion_is_scored_again_only_on_a_test_split_other_than_its_own(

@@ -158,7 +158,7 @@ def test_two_runs_started_at_once_on_the_same_data_write_one_shard_set_and_both_
         states = list(pool.map(lambda run: finetune(run, return_state=True), runs))
 
     summaries = [state.result() for state in states]
-    assert [summary["run_id"] for summary in summaries] == ["a", "b"]
+    assert [summary.run_id for summary in summaries] == ["a", "b"]
     messages = [message for state in states for message in prefect_messages(state.state_details.flow_run_id)]
     assert sum(message.startswith("tokenized {") for message in messages) == 1, "the shard set was written twice"
     assert sum(message.startswith("using the tokenized shards at") for message in messages) == 1
@@ -166,7 +166,7 @@ def test_two_runs_started_at_once_on_the_same_data_write_one_shard_set_and_both_
     marker = storage.read_json(str(shard_set / MARKER))
     assert layout.OutputFolder(str(shard_set)).files() == {*marker["files"], MARKER}, "one whole set, nothing else"
     for summary in summaries:
-        manifest = storage.read_json(storage.join(summary["run_dir"], "manifest.json"))
+        manifest = storage.read_json(storage.join(summary.run_dir, "manifest.json"))
         assert manifest["outputs"]["tokenized"] == {
             name: str(shard_set / name) for name in ("train", "validation", "test")
         }

@@ -1,4 +1,6 @@
 """Shared by every stage, on either side: nothing here imports Prefect, so a Ray worker may import any
 of it (the Prefect side's shared modules are tasks/prefect_side/; tests/test_layout.py holds both).
-config (the typed parameters), data (readers and checks), storage (the layout, RunStore), cluster and
-jobs (where Ray work runs), progress (ticks), reaper, text (tokenizer core, padding), first_token."""
+config, train_config and strict (the typed parameters), data (readers and checks), storage (fsspec
+I/O), layout (where ftflow writes, and only its own), cluster and jobs (where Ray work runs),
+progress (ticks), reaper, models (model folders), predictor (texts to labels), text (tokenizer core,
+padding), first_token, attention."""

@@ -121,17 +121,6 @@ def autoscaled() -> bool:
     return any(not name.startswith("node_") for name in node_types) or is_autoscaler_v2(fetch_from_server=True)
 
 
-def describe() -> dict:
-    """The cluster this process is connected to, as a run's manifest records it."""
-    resources = Resources.of_cluster()
-    return {
-        "gcs_address": ray.get_runtime_context().gcs_address,
-        "nodes": len(ray.nodes()),
-        "cpus": resources.cpus,
-        "gpus": resources.gpus,
-    }
-
-
 def groups_on_nodes(workers: int, group: int, cpus_per_worker: float, use_gpu: bool) -> list[dict[str, str]] | None:
     """Ray label selectors, one per worker in rank order, that put every `group` consecutive workers on
     one node, the nodes that hold the most groups first: tensor-parallel ranks all-reduce inside every

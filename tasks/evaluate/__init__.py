@@ -1,1 +1,1 @@
-"""Stage 3. task.py: the Prefect task and its artifacts; driver.py: the confusion matrix on the cluster."""
+"""Stage 3. task.py: the Prefect task and its artifacts; contract.py: Metrics, from the labels training gave."""

@@ -1,2 +1,2 @@
 """Stage 4. task.py: the Prefect task; driver.py: the Ray job (parts, Ray Data pipeline); worker.py:
-the Labeller actor; predictor.py: texts to labels, shared with evaluation."""
+the Labeller actor; labels.py: what is written; contract.py: Labelled and the labels' schema."""

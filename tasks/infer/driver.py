@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import asdict
 
 import ray
 from ray.data import DataContext
@@ -16,7 +17,7 @@ from tasks.core.data import cut, expand_inputs, numbered, rows_per_byte
 from tasks.core.progress import Tick, log_tick, tallied
 from tasks.infer.contract import Labelled
 from tasks.infer.labels import completed, file_names
-from tasks.infer.worker import Counts, Labeller
+from tasks.infer.worker import Counts, Labeller, Part
 
 PARTS_PER_ACTOR = 4  # at least, so that the last part to finish is a small share of any actor's work
 PART_BYTES = 64 << 20  # the most of a file one actor call labels: what a retried call redoes
@@ -46,7 +47,7 @@ def labelled(model_uri: str, cfg: InferenceConfig, output_uri: str) -> Labelled:
     # hold (or that the autoscaler does not add in time) fails instead, below.
     DataContext.get_current().wait_for_min_actors_s = cfg.wait_for_actors_s
     with logging_progress(parts, logger) as channel, pool_failures(actors, cpus, gpus, cfg.wait_for_actors_s):
-        ray.data.from_items(parts, override_num_blocks=len(parts)).map_batches(
+        ray.data.from_items([asdict(part) for part in parts], override_num_blocks=len(parts)).map_batches(
             Labeller,
             fn_constructor_kwargs={
                 "model_uri": model_uri,
@@ -98,7 +99,7 @@ def labelled(model_uri: str, cfg: InferenceConfig, output_uri: str) -> Labelled:
     )
 
 
-def cut_in_parts(sizes: dict[str, int], actors: int) -> list[dict]:
+def cut_in_parts(sizes: dict[str, int], actors: int) -> list[Part]:
     """The files as parts of at most an actor's share of the corpus over PARTS_PER_ACTOR (and at
     most PART_BYTES): whole files, or pieces of larger ones, each with its first row in the file for
     the default row ids. For two actors, 16 files of 625 rows are 16 parts, and one file of 10,000
@@ -107,17 +108,7 @@ def cut_in_parts(sizes: dict[str, int], actors: int) -> list[dict]:
     parts = []
     for uri, name in file_names(list(sizes)).items():
         for piece in numbered(cut(uri, piece_bytes=max(1, int(min(share, PART_BYTES))))):
-            parts.append(
-                {
-                    "uri": uri,
-                    "start": piece.start,
-                    "stop": piece.stop,
-                    "size": piece.size,
-                    "file_row": piece.file_row,
-                    "name": name,
-                    "part": len(parts),
-                }
-            )
+            parts.append(Part(uri, piece.start, piece.stop, piece.size, piece.file_row, name, len(parts)))
     return parts
 
 
@@ -173,11 +164,11 @@ def progress_tick(counts: list[Counts], parts: int, total_bytes: int, seconds: f
 
 
 @contextmanager
-def logging_progress(parts: list[dict], logger) -> Iterator[str]:
+def logging_progress(parts: list[Part], logger) -> Iterator[str]:
     """A channel (tasks/core/progress.py) for the pipeline's actors to tally their counts on, and while
     the pipeline runs, every REPORT_EVERY_S once an actor has labelled a window, its progress_tick. Ray
     Data's own progress bars go to the driver's terminal, not to the logs a person follows in the UI."""
-    started, total_bytes = time.perf_counter(), sum(part["size"] for part in parts)
+    started, total_bytes = time.perf_counter(), sum(part.size for part in parts)
 
     def tick_of(tallies: list[bytes]) -> Tick:
         counts = [Counts.model_validate_json(value) for value in tallies]

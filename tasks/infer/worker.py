@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
@@ -36,9 +37,28 @@ class Counts(BaseModel):
     labelled: int = 0  # rows labelled so far, of parts done or not
 
 
+@dataclass(frozen=True)
+class Part:
+    """What one actor call labels: a piece of one input file (its first row in the file numbers the
+    default ids), the file's name in those ids, and the part's number, which names its output file.
+    Flat, as a row of the Ray Data pipeline that hands parts to the actors."""
+
+    uri: str
+    start: int
+    stop: int
+    size: int
+    file_row: int
+    name: str
+    part: int
+
+    @property
+    def piece(self) -> Piece:
+        return Piece(self.uri, self.start, self.stop, self.size, file_row=self.file_row)
+
+
 class Labeller:
-    """Parts in (uri, start, stop, size, file_row, name, part: a row each), their row counts out; the
-    labels of part number `part` in `<output>/<job>_<part>.parquet`, so a retried call overwrites its own
+    """Parts in (a Part a row), their row counts out; the labels of part number `part` in
+    `<output>/<job>_<part>.parquet`, so a retried call overwrites its own
     file and the output folder's record knows the job's files."""
 
     def __init__(
@@ -63,21 +83,12 @@ class Labeller:
         self.channel, self.me, self.counts = channel, uuid.uuid4().hex, Counts()
 
     def __call__(self, parts: pd.DataFrame) -> pd.DataFrame:
-        return pd.DataFrame(
-            {
-                "rows": [
-                    self.label(
-                        Piece(part.uri, part.start, part.stop, part.size, file_row=part.file_row), part.name, part.part
-                    )
-                    for part in parts.itertuples()
-                ]
-            }
-        )
+        return pd.DataFrame({"rows": [self.label(Part(**row)) for row in parts.to_dict("records")]})
 
-    def label(self, piece: Piece, name: str, part: int) -> int:
-        seen = 0
+    def label(self, part: Part) -> int:
+        piece, name, seen = part.piece, part.name, 0
         with pq.ParquetWriter(
-            f"{self.path}/{self.job}_{part:05d}.parquet", LABELS_SCHEMA, filesystem=self.filesystem
+            f"{self.path}/{self.job}_{part.part:05d}.parquet", LABELS_SCHEMA, filesystem=self.filesystem
         ) as out:
             for frame in self.windows(piece):
                 texts = frame[self.text_column].astype(str).tolist()

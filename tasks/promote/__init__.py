@@ -1,1 +1,2 @@
-"""Stage 3b. task.py: the promotion gate; registry.py: the champion pointers in storage."""
+"""Stage 3b. task.py: the promotion gate; rescore.py: a champion scored again; contract.py: the
+Decision and the champion pointers in storage."""

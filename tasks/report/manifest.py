@@ -11,6 +11,7 @@ from prefect import task
 from pydantic import BaseModel
 
 from tasks.core import storage
+from tasks.core.data import Split
 from tasks.evaluate.contract import Metrics
 from tasks.infer.contract import Labelled
 from tasks.prefect_side.retries import RETRY_TRANSIENT
@@ -47,13 +48,36 @@ class Results(BaseModel):
         )
 
 
+class SplitRecord(BaseModel):
+    uris: list[str]
+    sha256: str
+    rows: int
+
+
+class DataRecord(BaseModel):
+    """The data a run read: each split's files, content hash and rows, and its tokenized shards' key."""
+
+    splits: dict[str, SplitRecord]
+    tokenize_key: dict
+
+    @classmethod
+    def of(cls, splits: dict[str, Split], tokenize_key: BaseModel) -> DataRecord:
+        return cls(
+            splits={
+                name: SplitRecord(uris=list(split.uris), sha256=split.sha256, rows=split.total_rows)
+                for name, split in splits.items()
+            },
+            tokenize_key=tokenize_key.model_dump(),
+        )
+
+
 def versions() -> dict[str, str]:
     return {"python": platform.python_version(), **{name: version(name) for name in PACKAGES}}
 
 
 @task(**RETRY_TRANSIENT)
 def write_manifest(
-    manifest_uri: str, config: dict, data: dict, outputs: Outputs, results: Results, seconds: dict
+    manifest_uri: str, config: dict, data: DataRecord, outputs: Outputs, results: Results, seconds: dict
 ) -> str:
     storage.write_json(
         manifest_uri,
@@ -61,8 +85,10 @@ def write_manifest(
             "completed_at": datetime.now(UTC).isoformat(),
             "config": config,
             "versions": versions(),
-            "cluster": results.training.cluster,  # the one that trained
-            "data": data,
+            "cluster": results.training.cluster.model_dump()
+            if results.training.cluster
+            else None,  # the one that trained
+            "data": data.model_dump(),
             "outputs": outputs.model_dump(mode="json"),
             "metrics": results.recorded(),
             "seconds": seconds,  # wall time per stage

@@ -63,6 +63,16 @@ class WorkerSpec(BaseModel):
     model_uri: str  # where rank 0 writes the consolidated model
     # validation, and the test split where there is one: the trained engine labels it (Result.test)
     evaluation: dict[str, EvaluationSplit] = {}
+    channel: str | None = None  # the driver's progress channel (tasks/core/progress.py), once it listens
+
+
+class ClusterInfo(BaseModel):
+    """The cluster a run trained on, as its manifest records it: the CPUs and GPUs ftflow's stages may take."""
+
+    gcs_address: str
+    nodes: int
+    cpus: float
+    gpus: int
 
 
 class Point(BaseModel):
@@ -137,5 +147,5 @@ class Result(BaseModel):
         None  # the encoder layers' parameters rank 0 holds: what tensor parallelism and ZeRO-3 split
     )
     marks: Marks | None = None  # when the last attempt reached each point
-    cluster: dict = {}  # the cluster that trained (tasks/core/cluster.py describe), added by the driver
+    cluster: ClusterInfo | None = None  # the cluster that trained, added by the driver
     strategy: Choice | None = None  # what strategy=auto chose and why, added by the driver

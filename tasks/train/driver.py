@@ -9,6 +9,7 @@ import logging
 import math
 import os
 
+import ray
 from ray.train import CheckpointConfig, ControllerError, FailureConfig, RunConfig, ScalingConfig, WorkerGroupError
 from ray.train.torch import TorchConfig
 from ray.train.v2._internal.constants import (
@@ -25,7 +26,7 @@ from tasks.core.layout import RunStore
 from tasks.core.models import hub_free
 from tasks.core.progress import relayed
 from tasks.core.train_config import TrainConfig
-from tasks.train.contract import STATE_FILE, EvaluationSplit, Plan, Result, WorkerSpec
+from tasks.train.contract import STATE_FILE, ClusterInfo, EvaluationSplit, Plan, Result, WorkerSpec
 from tasks.train.deepspeed_config import deepspeed_config
 from tasks.train.entry import train_worker
 from tasks.train.ingest import data_config, rows_in, split
@@ -63,7 +64,18 @@ def fit(
     result = Result.model_validate(storage.read_json(storage.join(store.model_dir, STATE_FILE)))
     warn_spread_groups(logger, result, cfg.tensor_parallel_size)
     log_history(logger, result)
-    return result.model_copy(update={"cluster": cluster.describe(), "strategy": choice})
+    return result.model_copy(update={"cluster": cluster_info(), "strategy": choice})
+
+
+def cluster_info() -> ClusterInfo:
+    """The cluster this process is connected to."""
+    resources = cluster.Resources.of_cluster()
+    return ClusterInfo(
+        gcs_address=ray.get_runtime_context().gcs_address,
+        nodes=len(ray.nodes()),
+        cpus=resources.cpus,
+        gpus=resources.gpus,
+    )
 
 
 def worker_spec(
@@ -114,7 +126,7 @@ def build_trainer(spec: WorkerSpec, channel: str, train_rows, store: RunStore) -
     storage_path, filesystem = storage.pyarrow_filesystem(store.train_dir)
     return Trainer(
         train_worker,
-        train_loop_config={"spec": spec.model_dump(), "channel": channel},
+        train_loop_config={"spec": spec.model_copy(update={"channel": channel}).model_dump()},
         datasets={"train": train_rows},
         dataset_config=data_config(),
         scaling_config=ScalingConfig(
