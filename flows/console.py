@@ -173,7 +173,8 @@ def session(verbose: bool) -> Iterator[Say]:
     finally:
         for name in RUN_LOGGERS:
             logging.getLogger(name).removeHandler(terminal)
-        say.result({"logs": kept(log_file, terminal.run_dir)})
+        if where := kept(log_file, terminal.run_dir):
+            say.result({"logs": where})
 
 
 def logs_folder() -> Path:
@@ -183,10 +184,14 @@ def logs_folder() -> Path:
     return folder
 
 
-def kept(log_file: Path, run_dir: str | None) -> str:
+def kept(log_file: Path, run_dir: str | None) -> str | None:
     """Where the log file ends up: copied to <run_dir>/logs/ (the first one removed: what the process
-    prints on its way out goes to the removed file), or where it is."""
+    prints on its way out goes to the removed file), or where it is; None, and no file, where nothing
+    was written to it (a command refused before it started anything)."""
     if run_dir is None:
+        if log_file.stat().st_size == 0:
+            log_file.unlink()
+            return None
         return str(log_file)
     kept_at = storage.join(layout.RunStore.at(run_dir).logs, log_file.name)
     storage.write_bytes(kept_at, log_file.read_bytes())

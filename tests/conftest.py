@@ -28,6 +28,8 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 # demands, which gloo on a CPU would let pass.
 HOOKS_DIR = Path(tempfile.mkdtemp(prefix="ftflow-test-hooks-"))
 atexit.register(shutil.rmtree, HOOKS_DIR, ignore_errors=True)
+# The commands' logs (flows/console.py) in the session's folder, not the user's ~/.local/state.
+os.environ["XDG_STATE_HOME"] = str(HOOKS_DIR / "state")
 os.environ["PYTHONPATH"] = os.pathsep.join(
     filter(None, [str(Path(__file__).parent / "hooks"), os.environ.get("PYTHONPATH")])
 )

@@ -275,3 +275,12 @@ def test_a_run_killed_then_run_again_resumes_on_a_quiet_console_then_its_champio
     assert "✓ batch inference: " in labelled.stdout and f"predictions: {tmp_path / 'labels'}" in labelled.stdout
     assert pq.read_table(tmp_path / "labels").num_rows == len(read_jsonl(small_data["test"]))
     assert asked() == 0
+
+
+def test_a_log_nothing_was_written_to_is_not_kept(tmp_path):
+    """A command that ends before anything printed (refused in its checks) leaves no empty file behind."""
+    empty, said = tmp_path / "empty.log", tmp_path / "said.log"
+    empty.touch()
+    said.write_text("Started a local Ray instance.\n")
+    assert console.kept(empty, None) is None and not empty.exists()
+    assert console.kept(said, None) == str(said) and said.exists()
