@@ -287,6 +287,25 @@ def test_a_stalled_run_writes_a_stall_report_and_says_where_it_is(tokenized, tin
     assert trained.history[-1].step == 10
 
 
+def test_early_stopping_ends_training_after_evaluations_without_a_higher_accuracy(tokenized, tiny_model):
+    """A learning rate too small to move the model: no evaluation scores higher than the first, so
+    training stops at the second after it, mid-epoch, and says why; a re-run of the run trains no more."""
+    root, uris = tokenized
+    run_dir = Path(root) / "runs" / "early"
+    cfg = TrainConfig(
+        epochs=2, batch_size=16, num_workers=1, learning_rate=1e-12, eval_every_steps=5, early_stopping_patience=2
+    )
+    stopped = fit(uris, tiny_model, cfg, run_dir)
+    assert [point.step for point in stopped.curve.validation] == [5, 10, 15]
+    assert [(row.step, row.val_accuracy) for row in stopped.history] == [(15, stopped.curve.validation[0].accuracy)]
+    assert stopped.stopped == (
+        "early stopping at step 15: no higher validation accuracy in 2 evaluation(s) than step 5's "
+        f"{stopped.curve.validation[0].accuracy:.4f}"
+    )
+    again = fit(uris, tiny_model, cfg, run_dir)
+    assert again.history == stopped.history and again.stopped == stopped.stopped, "the re-run trained on"
+
+
 def test_max_steps_bounds_a_run_and_a_rerun_continues_it(tokenized, tiny_model):
     """max_steps stops mid-epoch; a re-run with the same run id (what a Prefect retry of the
     training task or of the flow does) continues from that step, in the middle of the epoch."""

@@ -102,6 +102,12 @@ class TrainConfig(Strict):
     checkpoint_every_steps: int = Field(
         0, ge=0, description="Also checkpoint the DeepSpeed state every N optimizer steps (0: at epoch ends only)."
     )
+    early_stopping_patience: int | None = Field(
+        None,
+        ge=1,
+        description="Stop training after N evaluations in a row without a higher validation accuracy than the "
+        "best so far (evaluations: every eval_every_steps and at epoch ends); None: train every epoch.",
+    )
     shuffle_buffer_rows: int = Field(
         2048,
         ge=1,

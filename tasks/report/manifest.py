@@ -41,10 +41,11 @@ class Results(BaseModel):
     promotion: Decision
 
     def recorded(self) -> dict:
-        """As the manifest holds them: the training's history, curve, nodes and strategy, not its predictions."""
+        """As the manifest holds them: the training's history, curve, nodes, strategy and why it stopped,
+        not its predictions."""
         return self.model_dump(
             mode="json",
-            include={"test": True, "promotion": True, "training": {"history", "curve", "nodes", "strategy"}},
+            include={"test": True, "promotion": True, "training": {"history", "curve", "nodes", "strategy", "stopped"}},
         )
 
 

@@ -89,6 +89,13 @@ class Curve(BaseModel):
     train: list[Point] = []
     validation: list[Point] = []
 
+    def evaluations_since_best(self) -> int:
+        """Evaluations after the one with the highest validation accuracy (the first of equals): what
+        early stopping counts. Read from the curve, which every checkpoint holds, so a resumed run
+        counts on where it stopped."""
+        accuracies = [point.accuracy for point in self.validation]
+        return len(accuracies) - 1 - accuracies.index(max(accuracies)) if accuracies else 0
+
 
 class EpochRecord(BaseModel):
     epoch: float  # epochs done at this record: whole, unless max_steps ended the run mid-epoch
@@ -149,3 +156,4 @@ class Result(BaseModel):
     marks: Marks | None = None  # when the last attempt reached each point
     cluster: ClusterInfo | None = None  # the cluster that trained, added by the driver
     strategy: Choice | None = None  # what strategy=auto chose and why, added by the driver
+    stopped: str = ""  # why training ended: its epochs, max_steps, or early stopping

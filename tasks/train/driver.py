@@ -193,6 +193,8 @@ def warn_spread_groups(logger: logging.Logger, result: Result, tp: int) -> None:
 
 
 def log_history(logger: logging.Logger, result: Result) -> None:
+    if result.stopped.startswith("early stopping"):
+        logger.info("training stopped: %s", result.stopped)
     for row in result.history:
         logger.info(
             "epoch %g step %d: train_loss %.4f val_loss %.4f val_accuracy %.4f (%.1f samples/s, peak %.0f MiB per worker)%s",

@@ -266,7 +266,7 @@ class Recipe:
 
     def train(self, first_epoch: Future[Iterator[dict]] | None) -> None:
         for epoch in range(self.progress.epoch, self.cfg.epochs):
-            if self.engine.global_steps >= self.spec.max_steps:
+            if self.engine.global_steps >= self.spec.max_steps or self.patience_spent():
                 break
             fresh = first_epoch is not None and epoch == 0  # its rows already being read
             rows = first_epoch.result() if fresh else drawn(self.spec.plan.micro_batch, self.cfg, epoch)
@@ -318,7 +318,25 @@ class Recipe:
             save(self.engine, mid_epoch, {"epoch": position, "step": step})
             stats.checkpoint_seconds.append(time.perf_counter() - pause_from)
         stats.paused += time.perf_counter() - pause_from
-        return step >= self.spec.max_steps
+        return step >= self.spec.max_steps or self.patience_spent()
+
+    def patience_spent(self) -> bool:
+        """Early stopping's test, after an evaluation: early_stopping_patience evaluations in a row
+        without a higher validation accuracy."""
+        patience = self.cfg.early_stopping_patience
+        return patience is not None and self.progress.curve.evaluations_since_best() >= patience
+
+    def stop_reason(self) -> str:
+        validation = self.progress.curve.validation
+        if self.patience_spent():
+            best = validation[-1 - self.progress.curve.evaluations_since_best()]
+            return (
+                f"early stopping at step {self.engine.global_steps}: no higher validation accuracy in "
+                f"{self.cfg.early_stopping_patience} evaluation(s) than step {best.step}'s {best.accuracy:.4f}"
+            )
+        if self.cfg.max_steps and self.engine.global_steps >= self.cfg.max_steps:
+            return f"max_steps={self.cfg.max_steps}"
+        return f"epochs={self.cfg.epochs}"
 
     def validate(self, position: float) -> None:
         self.pulse("validating", self.engine.global_steps)
@@ -329,8 +347,9 @@ class Recipe:
 
     def end_epoch(self, epoch: int, stats: EpochStats) -> None:
         """Validate, record the epoch, and checkpoint where it ended (mid-epoch when max_steps did)."""
-        whole = stats.done == self.spec.batches_per_epoch
-        self.validate(epoch + stats.done / self.spec.batches_per_epoch)
+        whole, validation = stats.done == self.spec.batches_per_epoch, self.progress.curve.validation
+        if not validation or validation[-1].step != self.engine.global_steps:  # early stopping has just validated
+            self.validate(epoch + stats.done / self.spec.batches_per_epoch)
         self.progress.history.append(self.epoch_record(epoch, stats))
         self.progress = self.progress.model_copy(
             update={"epoch": epoch + 1 if whole else epoch, "batches_done": 0 if whole else stats.done}
@@ -381,5 +400,6 @@ class Recipe:
             nodes=self.nodes,
             layer_parameter_mb=layer_parameter_mb(self.replica.layers()),
             marks=self.marks,
+            stopped=self.stop_reason(),
         )
         export(self.replica, self.tokenizer, spec, result)
