@@ -96,7 +96,8 @@ def check_run(run_dir: str, test_accuracy: float, data: dict) -> dict:
     after = seconds["evaluate"] + seconds["promote"] + seconds["batch inference"]
     assert after - 0.02 <= seconds["training's end to the report"] < 600, "each of the four rounded to 0.01 s"
 
-    model = AutoModelForSequenceClassification.from_pretrained(local_model(storage.join(run_dir, "model")))
+    with local_model(storage.join(run_dir, "model")) as folder:
+        model = AutoModelForSequenceClassification.from_pretrained(folder)
     assert model.config.id2label == {0: "negative", 1: "positive"}
 
     fs, path = storage.filesystem(storage.join(run_dir, "predictions"))

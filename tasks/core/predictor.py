@@ -22,7 +22,6 @@ class Predictor:
     random draw."""
 
     def __init__(self, model_uri: str, batch_size: int, threads: int | None = None, precision: str = "auto"):
-        folder = local_model(model_uri)
         if threads:
             torch.set_num_threads(threads)
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -32,12 +31,10 @@ class Predictor:
             if precision == "bf16" or (precision == "auto" and self.device.type == "cuda")
             else torch.float32
         )
-        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)  # a folder: never the hub
-        self.model = (
-            AutoModelForSequenceClassification.from_pretrained(folder, dtype=dtype, local_files_only=True)
-            .to(self.device)
-            .eval()
-        )
+        with local_model(model_uri) as folder:  # a folder: never the hub
+            tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+            model = AutoModelForSequenceClassification.from_pretrained(folder, dtype=dtype, local_files_only=True)
+            self.model = model.to(self.device).eval()
         last_layer_at_first_token(self.model)
         self.label_names = [self.model.config.id2label[i] for i in range(self.model.config.num_labels)]
         self.batch_size = batch_size

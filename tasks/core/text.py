@@ -4,6 +4,8 @@ the tokenizer's Rust core, and the one padding of token id rows. Imports no Pref
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
 from tokenizers import Tokenizer
@@ -12,11 +14,16 @@ from transformers import PreTrainedTokenizerBase
 from tasks.core import storage
 
 
-def local_model(model_uri: str) -> str:
-    """A local folder holding the model: the path itself, or a download of a remote one."""
+@contextmanager
+def local_model(model_uri: str) -> Iterator[str]:
+    """A local folder holding the model while the block loads it: the path itself, or a download of a
+    remote one, removed after the block (each process that loaded a model from S3 left its copy in
+    /tmp)."""
     if not storage.is_remote(model_uri):
-        return model_uri
-    return str(storage.download_dir(model_uri, tempfile.mkdtemp(prefix="ftflow-model-")))
+        yield model_uri
+        return
+    with tempfile.TemporaryDirectory(prefix="ftflow-model-") as folder:
+        yield str(storage.download_dir(model_uri, folder))
 
 
 def truncating(tokenizer: PreTrainedTokenizerBase, max_length: int) -> Tokenizer:
