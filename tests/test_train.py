@@ -28,7 +28,7 @@ from tasks.core.text import padded
 from tasks.core.train_config import TrainConfig
 from tasks.tokenize.driver import load_tokenizer, tokenize_key
 from tasks.tokenize.task import tokenize
-from tasks.train.contract import STATE_FILE, EpochRecord, Result
+from tasks.train.contract import STATE_FILE, Result
 from tasks.train.plan import planned
 from tasks.train.task import train
 
@@ -65,10 +65,9 @@ def logits_of(model_dir: Path, rows: list[dict]) -> torch.Tensor:
     return torch.cat(logits)
 
 
-def assert_model_is_the_trained_engine(
-    model_dir: Path, uris: dict, history: list[EpochRecord], tie: float = 1e-4
-) -> None:
-    """The exported folder is complete, reloads, and predicts the validation split as the engine did."""
+def assert_model_is_the_trained_engine(model_dir: Path, uris: dict, val_accuracy: float, tie: float = 1e-4) -> None:
+    """The exported folder is complete, reloads, and predicts the validation split as the engine did,
+    at the validation accuracy the engine had at the step exported."""
     assert {"config.json", "model.safetensors", "tokenizer.json", STATE_FILE} <= {p.name for p in model_dir.iterdir()}
     engine_predictions = json.loads((model_dir / STATE_FILE).read_text())["validation_predictions"]
     rows = validation_rows(uris["validation"])
@@ -79,7 +78,7 @@ def assert_model_is_the_trained_engine(
     # Only a tie within rounding noise (`tie`) may flip a label between the engine and the reloaded weights.
     assert all(margins[i] < tie for i in range(len(rows)) if reloaded[i] != engine_predictions[i])
     accuracy = sum(p == r["label"] for p, r in zip(reloaded, rows, strict=True)) / len(rows)
-    assert accuracy == pytest.approx(history[-1].val_accuracy, abs=1 / len(rows))
+    assert accuracy == pytest.approx(val_accuracy, abs=1 / len(rows))
 
 
 def fit(uris: dict, model: Path, cfg: TrainConfig, run_dir: Path | str) -> Result:
@@ -131,7 +130,9 @@ def export_config(strategy: dict) -> TrainConfig:
 def check_export(result: Result, cfg: TrainConfig, run_dir: Path, uris: dict, tiny_model: Path) -> None:
     """The exported model is the trained engine's, in fp32, labelled; a model-parallel worker held its share."""
     model_dir = run_dir / "model"
-    assert_model_is_the_trained_engine(model_dir, uris, result.history, tie=0.05 if cfg.precision == "bf16" else 1e-4)
+    assert_model_is_the_trained_engine(
+        model_dir, uris, result.kept.val_accuracy, tie=0.05 if cfg.precision == "bf16" else 1e-4
+    )
     initial = AutoModelForSequenceClassification.from_pretrained(tiny_model).state_dict()
     exported = AutoModelForSequenceClassification.from_pretrained(model_dir)
     assert not torch.equal(
@@ -232,7 +233,7 @@ def test_a_killed_and_a_failed_worker_resume_from_the_last_checkpoint(tokenized,
     assert [row.epoch for row in history] == [1, 2] and history[-1].step == 2 * steps_per_epoch
     resumed_from = history[-1].resumed_from_step
     assert resumed_from > 0 and resumed_from % 10 == 0, "training restarted from step 0"
-    assert_model_is_the_trained_engine(run_dir / "model", uris, history)
+    assert_model_is_the_trained_engine(run_dir / "model", uris, trained.kept.val_accuracy)
     # The report's curve has every step once across the restarts: training every 10 steps
     # (log_every_steps), validation every 100 steps and at each epoch's end.
     assert [point.step for point in curve.train] == list(range(10, 2 * steps_per_epoch + 1, 10))
@@ -306,6 +307,24 @@ def test_early_stopping_ends_training_after_evaluations_without_a_higher_accurac
     assert again.history == stopped.history and again.stopped == stopped.stopped, "the re-run trained on"
 
 
+def test_the_best_validated_step_is_exported_not_the_last(tokenized, tiny_model):
+    """keep_best (the default): the step that validated highest is the model exported, loaded back
+    from its checkpoint after training went on past it; the Result says which step and why."""
+    root, uris = tokenized
+    run_dir = Path(root) / "runs" / "best"
+    cfg = TrainConfig(epochs=2, batch_size=16, num_workers=1, learning_rate=2e-3, warmup_ratio=0, eval_every_steps=10)
+    trained = fit(uris, tiny_model, cfg, run_dir)
+    validation = trained.curve.validation
+    best = max(validation, key=lambda point: point.accuracy)
+    assert best.accuracy > validation[-1].accuracy, "the case needs a run whose last step is not its best"
+    assert trained.kept.val_accuracy == best.accuracy and trained.kept.step < validation[-1].step == 256
+    assert trained.kept.reason == (
+        f"the best validated (keep_best): accuracy {best.accuracy:.4f}, against {validation[-1].accuracy:.4f} "
+        "at the last step, 256"
+    )
+    assert_model_is_the_trained_engine(run_dir / "model", uris, best.accuracy)
+
+
 def test_max_steps_bounds_a_run_and_a_rerun_continues_it(tokenized, tiny_model):
     """max_steps stops mid-epoch; a re-run with the same run id (what a Prefect retry of the
     training task or of the flow does) continues from that step, in the middle of the epoch."""
@@ -313,14 +332,14 @@ def test_max_steps_bounds_a_run_and_a_rerun_continues_it(tokenized, tiny_model):
     run_dir = Path(root) / "runs" / "rerun"
     first = fit(uris, tiny_model, TrainConfig(epochs=2, max_steps=50, batch_size=16, num_workers=2), run_dir)
     assert [(row.epoch, row.step) for row in first.history] == [(round(50 / 128, 4), 50)]
-    assert_model_is_the_trained_engine(run_dir / "model", uris, first.history)
+    assert_model_is_the_trained_engine(run_dir / "model", uris, first.kept.val_accuracy)
 
     longer = fit(uris, tiny_model, TrainConfig(epochs=2, batch_size=16, num_workers=2), run_dir)
     assert longer.history[0] == first.history[0], "the first 50 steps were trained again"
     assert [(row.epoch, row.step, row.resumed_from_step) for row in longer.history[1:]] == [(1, 128, 50), (2, 256, 50)]
     assert longer.curve.train[: len(first.curve.train)] == first.curve.train
     assert [point.step for point in longer.curve.train] == list(range(10, 257, 10))
-    assert_model_is_the_trained_engine(run_dir / "model", uris, longer.history)
+    assert_model_is_the_trained_engine(run_dir / "model", uris, longer.kept.val_accuracy)
 
 
 def test_evaluating_more_often_trains_the_same_model(tokenized, tiny_model, tmp_path):

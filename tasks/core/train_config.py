@@ -108,6 +108,15 @@ class TrainConfig(Strict):
         description="Stop training after N evaluations in a row without a higher validation accuracy than the "
         "best so far (evaluations: every eval_every_steps and at epoch ends); None: train every epoch.",
     )
+    # On by default: what evaluation scores, the gate promotes and inference labels is the model
+    # validation picked, not whichever step training happened to end on (an epoch that overfits, or the
+    # evaluations early stopping waited through). It costs a checkpoint at each new best evaluation
+    # between scheduled ones, and a checkpoint load at the end when the best was not the last step.
+    keep_best: bool = Field(
+        True,
+        description="Export (and evaluate, promote, label with) the checkpoint with the highest validation accuracy "
+        "(of equals the later), not the last step's: each new best evaluation is checkpointed; false: the last step's.",
+    )
     shuffle_buffer_rows: int = Field(
         2048,
         ge=1,

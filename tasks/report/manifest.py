@@ -41,11 +41,15 @@ class Results(BaseModel):
     promotion: Decision
 
     def recorded(self) -> dict:
-        """As the manifest holds them: the training's history, curve, nodes, strategy and why it stopped,
+        """As the manifest holds them: the training's history, curve, nodes, strategy, why it stopped and which step it kept,
         not its predictions."""
         return self.model_dump(
             mode="json",
-            include={"test": True, "promotion": True, "training": {"history", "curve", "nodes", "strategy", "stopped"}},
+            include={
+                "test": True,
+                "promotion": True,
+                "training": {"history", "curve", "nodes", "strategy", "stopped", "kept"},
+            },
         )
 
 

@@ -149,6 +149,11 @@ def metric_rows(results: Results) -> list[dict]:
         ("train", "loss", last.train_loss),
         ("validation", "loss", last.val_loss),
         ("validation", "accuracy", last.val_accuracy),
+    ]
+    kept = results.training.kept
+    if kept and kept.step != last.step:  # keep_best exported an earlier step than the last
+        rows.append(("validation", f"accuracy at step {kept.step}, exported", kept.val_accuracy))
+    rows += [
         ("test", "accuracy", metrics.accuracy),
         ("test", "macro_f1", metrics.macro_f1),
     ]

@@ -81,6 +81,7 @@ def metrics_of(results: Results, seconds: dict) -> list[tuple[str, float, int]]:
         "test_macro_f1": results.test.macro_f1,
         "samples_per_s": last.samples_per_s,
         "peak_memory_mb": last.peak_memory_mb,
+        "kept_step": results.training.kept.step if results.training.kept else last.step,
         **{"seconds." + metric_name(stage): value for stage, value in seconds.items() if stage != "phases"},
         **{"seconds.phases." + metric_name(phase): value for phase, value in seconds.get("phases", {}).items()},
     }

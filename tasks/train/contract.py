@@ -120,6 +120,21 @@ class Progress(BaseModel):
     curve: Curve = Curve()
 
 
+# The metric every checkpoint reports for Ray Train to rank it by (keep_best): the validation accuracy
+# at that step, or UNVALIDATED for a scheduled checkpoint no evaluation fell on (below every accuracy,
+# so Ray Train drops those first; it always keeps the latest, for resume).
+SCORE = "kept_score"
+UNVALIDATED = -1.0
+
+
+class Kept(BaseModel):
+    """The step whose model training exported, and why."""
+
+    step: int
+    val_accuracy: float
+    reason: str
+
+
 class Marks(BaseModel):
     """When rank 0 of the last attempt reached each point of its run (Unix time; NTP keeps nodes within
     milliseconds of the driver): the run's phases in its manifest are the gaps between them."""
@@ -157,3 +172,4 @@ class Result(BaseModel):
     cluster: ClusterInfo | None = None  # the cluster that trained, added by the driver
     strategy: Choice | None = None  # what strategy=auto chose and why, added by the driver
     stopped: str = ""  # why training ended: its epochs, max_steps, or early stopping
+    kept: Kept | None = None  # the step exported: the best validated (keep_best), else the last

@@ -26,7 +26,7 @@ from tasks.core.layout import RunStore
 from tasks.core.models import hub_free
 from tasks.core.progress import relayed
 from tasks.core.train_config import TrainConfig
-from tasks.train.contract import STATE_FILE, ClusterInfo, EvaluationSplit, Plan, Result, WorkerSpec
+from tasks.train.contract import SCORE, STATE_FILE, ClusterInfo, EvaluationSplit, Plan, Result, WorkerSpec
 from tasks.train.deepspeed_config import deepspeed_config
 from tasks.train.entry import train_worker
 from tasks.train.ingest import data_config, rows_in, split
@@ -145,12 +145,20 @@ def build_trainer(spec: WorkerSpec, channel: str, train_rows, store: RunStore) -
             storage_path=storage_path,
             storage_filesystem=filesystem,
             worker_runtime_env={"env_vars": ZERO3_WORKER_ENV if cfg.zero_stage == 3 else {}},
-            checkpoint_config=CheckpointConfig(num_to_keep=2),
+            checkpoint_config=checkpoint_config(cfg),
             # A controller failure is the worker group not starting: retried, it would wait forever.
             failure_config=FailureConfig(max_failures=cfg.max_failures, controller_failure_limit=0),
             callbacks=[FailureRelay(channel, cfg.max_failures)],  # each failure said at once, not only in Ray's log
         ),
     )
+
+
+def checkpoint_config(cfg: TrainConfig) -> CheckpointConfig:
+    """Ray Train always keeps the latest checkpoint (resume); besides it the last two, or with keep_best
+    the two that validated best (the worker reloads the best at the end)."""
+    if not cfg.keep_best:
+        return CheckpointConfig(num_to_keep=2)
+    return CheckpointConfig(num_to_keep=2, checkpoint_score_attribute=SCORE, checkpoint_score_order="max")
 
 
 def ray_train_settings(cfg: TrainConfig) -> None:
@@ -195,6 +203,8 @@ def warn_spread_groups(logger: logging.Logger, result: Result, tp: int) -> None:
 def log_history(logger: logging.Logger, result: Result) -> None:
     if result.stopped.startswith("early stopping"):
         logger.info("training stopped: %s", result.stopped)
+    if result.kept and result.kept.step != result.history[-1].step:
+        logger.info("exported step %d: %s", result.kept.step, result.kept.reason)
     for row in result.history:
         logger.info(
             "epoch %g step %d: train_loss %.4f val_loss %.4f val_accuracy %.4f (%.1f samples/s, peak %.0f MiB per worker)%s",

@@ -34,8 +34,11 @@ from tasks.core.progress import Tick, post, say
 from tasks.train.batches import evaluation_batches, training_batches
 from tasks.train.contract import (
     IGNORED,
+    SCORE,
     STATE_FILE,
+    UNVALIDATED,
     EpochRecord,
+    Kept,
     Marks,
     Point,
     Predictions,
@@ -310,15 +313,31 @@ class Recipe:
             if self.leader:
                 post(self.channel, tick(self.progress.curve.train[-1], self.spec.max_steps, self.meter.rows_per_s))
         last = stats.done == self.spec.batches_per_epoch or step >= self.spec.max_steps
-        if self.cfg.eval_every_steps and step % self.cfg.eval_every_steps == 0 and not last:
+        evaluated = bool(self.cfg.eval_every_steps and step % self.cfg.eval_every_steps == 0 and not last)
+        if evaluated:
             self.validate(position)
-        if self.cfg.checkpoint_every_steps and step % self.cfg.checkpoint_every_steps == 0 and not last:
+        scheduled = self.cfg.checkpoint_every_steps and step % self.cfg.checkpoint_every_steps == 0 and not last
+        if scheduled or (evaluated and self.new_best()):
             self.pulse("checkpointing", step)
             mid_epoch = self.progress.model_copy(update={"epoch": epoch, "batches_done": stats.done}, deep=True)
-            save(self.engine, mid_epoch, {"epoch": position, "step": step})
+            save(self.engine, mid_epoch, self.reported(position, evaluated))
             stats.checkpoint_seconds.append(time.perf_counter() - pause_from)
+        elif evaluated:  # for Ray Tune's schedulers, which act on every evaluation (tasks/sweep/)
+            ray.train.report(self.reported(position, evaluated))
         stats.paused += time.perf_counter() - pause_from
         return step >= self.spec.max_steps or self.patience_spent()
+
+    def new_best(self) -> bool:
+        """With keep_best, whether the evaluation just made scored higher than every one before it."""
+        return self.cfg.keep_best and self.progress.curve.evaluations_since_best() == 0
+
+    def reported(self, position: float, evaluated: bool) -> dict:
+        """What a report to Ray Train says: where training is, and the validation there if it just ran."""
+        metrics = {"epoch": position, "step": self.engine.global_steps, SCORE: UNVALIDATED}
+        if evaluated:
+            point = self.progress.curve.validation[-1]
+            metrics |= {"val_loss": point.loss, "val_accuracy": point.accuracy, SCORE: point.accuracy}
+        return metrics
 
     def patience_spent(self) -> bool:
         """Early stopping's test, after an evaluation: early_stopping_patience evaluations in a row
@@ -355,7 +374,8 @@ class Recipe:
             update={"epoch": epoch + 1 if whole else epoch, "batches_done": 0 if whole else stats.done}
         )
         self.pulse("checkpointing", self.engine.global_steps)
-        save(self.engine, self.progress, self.progress.history[-1].model_dump())
+        record = self.progress.history[-1]
+        save(self.engine, self.progress, record.model_dump() | {SCORE: record.val_accuracy})
 
     def epoch_record(self, epoch: int, stats: EpochStats) -> EpochRecord:
         elapsed = time.perf_counter() - stats.first_done - stats.paused
@@ -379,9 +399,39 @@ class Recipe:
             else None,
         )
 
+    def keep(self) -> Kept:
+        """The step to export: with keep_best, the checkpoint Ray Train ranks best (of equal accuracies
+        the later), loaded into the engine where it is not the last step; else the last step."""
+        last = Kept(
+            step=self.engine.global_steps,
+            val_accuracy=self.progress.curve.validation[-1].accuracy,
+            reason="the last step (keep_best=false)",
+        )
+        if not self.cfg.keep_best:
+            return last
+        best = max(
+            ray.train.get_all_reported_checkpoints(),
+            key=lambda r: (r.metrics.get(SCORE, UNVALIDATED), r.metrics["step"]),
+        )
+        step, accuracy = best.metrics["step"], best.metrics.get(SCORE, UNVALIDATED)
+        if step == last.step:
+            return last.model_copy(update={"reason": "the last step, also the best validated (keep_best)"})
+        self.pulse("loading the best checkpoint", step)
+        with best.checkpoint.as_directory() as folder:
+            self.engine.load_checkpoint(folder, tag="state")
+        self.predictions = None  # the last step's: the best step's are taken again below
+        return Kept(
+            step=step,
+            val_accuracy=accuracy,
+            reason=f"the best validated (keep_best): accuracy {accuracy:.4f}, against {last.val_accuracy:.4f} "
+            f"at the last step, {last.step}",
+        )
+
     def finish(self) -> None:
-        """The test split labelled by the trained engine, then the model exported with the Result."""
+        """The kept step's model (keep) labels the test split, then is exported with the Result."""
         engine, spec = self.engine, self.spec
+        stopped = self.stop_reason()
+        kept = self.keep()
         if self.predictions is None:  # a re-run of a finished run trains nothing; its export still needs them
             self.predictions = validate(engine, self.replica, spec, self.pad_id, self.device)[2]
         self.pulse("labelling the test split", engine.global_steps)
@@ -400,6 +450,7 @@ class Recipe:
             nodes=self.nodes,
             layer_parameter_mb=layer_parameter_mb(self.replica.layers()),
             marks=self.marks,
-            stopped=self.stop_reason(),
+            stopped=stopped,
+            kept=kept,
         )
         export(self.replica, self.tokenizer, spec, result)
