@@ -6,9 +6,10 @@ registered with a work pool for a cluster (`ftflow deploy`, flows/cli.py).
     batch_infer/on-promotion  on a promotion event of relabel.yaml's registry entry: its corpus labelled
                               with the new champion, into <storage_root>/labels/<entry>/<run id>/
     batch_infer/on-demand     no schedule: runs are triggered from the UI, the CLI or the API
+    sweep/on-demand           no schedule: a search over train.* fields, from the UI's form, the CLI or the API
 
 Training runs hold a Ray cluster's CPUs or GPUs for a long time, so the `train` task carries the
-tag tasks.train.TRAINING_TAG and a Prefect concurrency limit of 1 on that tag (limit_concurrency)
+tag tasks.prefect_side.limits.TRAINING_TAG (the sweep's trials too) and a Prefect concurrency limit of 1 on that tag (limit_concurrency)
 queues a second training run until the first one's training is done. (Tokenization needs no limit
 here: tasks.tokenize holds one per shard set itself, in every run, deployed or not.)
 """
@@ -26,10 +27,11 @@ from pydantic import ValidationError
 
 from flows.batch_infer import batch_infer
 from flows.finetune import finetune
+from flows.sweep import sweep
 from tasks.core.config import BatchInferParams, FinetuneParams, SafeName
 from tasks.core.strict import Strict, one_line
 from tasks.prefect_side.events import DATA_ARRIVED, PROMOTED
-from tasks.train.task import TRAINING_TAG
+from tasks.prefect_side.limits import TRAINING_TAG
 
 RETRAIN_CONFIG = Path(__file__).with_name("retrain.yaml")
 RELABEL_CONFIG = Path(__file__).with_name("relabel.yaml")
@@ -90,6 +92,13 @@ def deployments(config_path: Path = RETRAIN_CONFIG, relabel_path: Path = RELABEL
             tags=["inference"],
             entrypoint_type=EntrypointType.MODULE_PATH,
             description="Label a corpus with a trained model, when asked.",
+        ),
+        sweep.to_deployment(
+            name="on-demand",
+            tags=["training"],
+            entrypoint_type=EntrypointType.MODULE_PATH,
+            description="Search train.* fields with Ray Tune (its space, trials and scheduler in the form), then "
+            "carry the best trial's model through evaluation, the promotion gate and batch inference.",
         ),
     ]
 

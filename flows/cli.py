@@ -1,6 +1,7 @@
 """`ftflow`: the command line of ftflow's flows and stack.
 
     ftflow run [--params FILE] [--set train.epochs=3 ...]   the finetune flow
+    ftflow sweep [--params FILE] [--set sweep.trials=8 ...] the sweep flow: Ray Tune over train.* fields
     ftflow infer MODEL INPUT... OUTPUT [--batch-size 128 ...]  the batch_infer flow
     ftflow params [--schema]                                 run's parameters: defaults, descriptions
     ftflow stack up|down                                     the local stack (infra/local/stack.py)
@@ -16,6 +17,7 @@ cluster work. Bad input is one line and exit code 2; any other failure one line 
 from __future__ import annotations
 
 import gc
+import importlib
 import inspect
 import json
 import sys
@@ -29,10 +31,11 @@ import typer._click as click  # typer 0.29 carries its own click: its exceptions
 from pydantic import ValidationError
 
 from flows import console
-from flows.params import BadInput, as_yaml, escape, fields_help, finetune_params, value
+from flows.params import BadInput, as_yaml, escape, fields_help, parameters, value
 from tasks.core.config import RAY_ADDRESS, BatchInferParams, FinetuneParams, default_storage_root
 from tasks.core.strict import first_line as config_first_line
 from tasks.core.strict import one_line
+from tasks.core.sweep_config import SweepParams
 
 app = typer.Typer(
     add_completion=False,
@@ -67,9 +70,34 @@ def run(
     debug: Debug = False,
 ) -> None:
     """Fine-tune, evaluate, promote and label: the finetune flow, on the embedded defaults unless told."""
-    params = finetune_params(params_file, assignments)
+    launched("finetune", parameters(FinetuneParams, params_file, assignments), verbose)
+
+
+@app.command(epilog="[bold]Fields[/] (--set NAME=VALUE, or in the --params file):\n\n" + fields_help(SweepParams))
+def sweep(
+    params_file: Annotated[
+        Path | None, typer.Option("--params", help="SweepParams as a JSON or YAML file: run's, and sweep.*.")
+    ] = None,
+    assignments: Annotated[
+        list[str],
+        typer.Option(
+            "--set",
+            help="One field, e.g. 'sweep.space.train.learning_rate={loguniform: [1e-5, 5e-4]}' or sweep.trials=8.",
+        ),
+    ] = [],  # noqa: B006 (typer reads it as the option's default; nothing mutates it)
+    verbose: Verbose = False,
+    debug: Debug = False,
+) -> None:
+    """Search train.* fields with Ray Tune (ASHA stops the trials that trail), then evaluate, promote and
+    label with the best trial's model: the sweep flow."""
+    launched("sweep", parameters(SweepParams, params_file, assignments), verbose)
+
+
+def launched(flow_name: str, params: FinetuneParams, verbose: bool) -> None:
+    """The flow on params, once the flow's own checks of the data, model and storage pass, with the
+    console's bars and its summary at the end."""
     from tasks.core.layout import RunStore
-    from tasks.validate.checks import run_inputs  # the flow's own checks of the data, model and storage
+    from tasks.validate.checks import run_inputs
 
     run_inputs(params, RunStore(params.storage_root, params.run_id) if params.run_id else None)
     import prefect.main  # noqa: F401 -- Prefect sets its logging up at this import: before the console takes its loggers over
@@ -78,10 +106,10 @@ def run(
 
     api_answering = temporary_api()
     with console.session(verbose) as say:
-        from flows.finetune import finetune  # Prefect and the ML stack load only once the input is good
-
+        # Prefect and the ML stack load only once the input is good
+        flow = getattr(importlib.import_module(f"flows.{flow_name}"), flow_name)
         api_answering()
-        summary = finetune(params)
+        summary = flow(params)
         say.result(
             {
                 "test accuracy": f"{summary.test_accuracy:.4f}",

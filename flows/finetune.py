@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from prefect import flow, get_run_logger
 from prefect.context import FlowRunContext
 from pydantic import BaseModel
@@ -18,11 +20,13 @@ from tasks.promote.task import promote
 from tasks.report.manifest import DataRecord, Outputs, Results, write_manifest
 from tasks.report.task import Stopwatch, publish_report
 from tasks.report.tracking import import_beside, track
-from tasks.tokenize.driver import load_tokenizer, tokenize_key
+from tasks.sweep.contract import SweepResult
+from tasks.tokenize.driver import TokenizeKey, load_tokenizer, tokenize_key
 from tasks.tokenize.task import tokenize
+from tasks.train.contract import Result
 from tasks.train.plan import check_parallelism
 from tasks.train.task import check_training_plan, train
-from tasks.validate.checks import run_inputs
+from tasks.validate.checks import RunInputs, run_inputs
 
 
 class RunSummary(BaseModel):
@@ -49,9 +53,36 @@ def new_run_id() -> str:
 def finetune(params: FinetuneParams = FinetuneParams()) -> RunSummary:
     """Fine-tune a Hugging Face classifier and label a corpus with it."""
     reap_on_exit()  # this process's Prefect server and local Ray end with it, even if it is killed
-    logger = get_run_logger()
-    took = Stopwatch(logger)
+    took = Stopwatch(get_run_logger())
     store = RunStore(params.storage_root, params.run_id or new_run_id())
+    ready = prepared(params, store, took)
+    import_beside(params.storage_root)  # MLflow's, for track() at the end
+    with took("train"):
+        training = train.with_options(timeout_seconds=params.train.timeout_s)(
+            ready.tokenized, params.model, params.data.label_names, params.train, store, params.ray_address
+        )
+    return concluded(params, store, ready, Trained(result=training), took)
+
+
+class Trained(BaseModel):
+    """What the stages after training take from it: the Result (a sweep's best trial's), and the
+    sweep's trials where it was one."""
+
+    result: Result
+    sweep: SweepResult | None = None
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What training starts from: the run's checked inputs and its tokenized splits."""
+
+    inputs: RunInputs
+    key: TokenizeKey
+    tokenized: dict[str, str]
+
+
+def prepared(params: FinetuneParams, store: RunStore, took: Stopwatch) -> Prepared:
+    """Every check, then the tokenized splits (cached by content): what training starts from."""
     # Bad input stops here, before Ray (`ftflow run` checked it before Prefect started).
     inputs = run_inputs(params, store)
     check_parallelism(params.train, params.model)
@@ -65,17 +96,20 @@ def finetune(params: FinetuneParams = FinetuneParams()) -> RunSummary:
     # The plan against the cluster, before tokenizing.
     check_training_plan(params.model, params.data.label_names, params.train, params.ray_address)
     took.mark("cluster ready")
-    logger.info("run %s in %s", store.run_id, store.base, extra={RUN_DIR: store.base})
-
+    took.logger.info("run %s in %s", store.run_id, store.base, extra={RUN_DIR: store.base})
     with took("tokenize"):
         tokenized = tokenize.with_options(refresh_cache=not key.shards_exist())(
             key, inputs.splits, params.model.name_or_path, params.ray_address
         )
-    import_beside(params.storage_root)  # MLflow's, for track() at the end
-    with took("train"):
-        training = train.with_options(timeout_seconds=params.train.timeout_s)(
-            tokenized, params.model, params.data.label_names, params.train, store, params.ray_address
-        )
+    return Prepared(inputs, key, tokenized)
+
+
+def concluded(
+    params: FinetuneParams, store: RunStore, ready: Prepared, trained: Trained, took: Stopwatch
+) -> RunSummary:
+    """After training: evaluate, the promotion gate, batch inference, then the report, the manifest
+    and MLflow."""
+    inputs, training = ready.inputs, trained.result
     with took("evaluate"):
         metrics = evaluate(store, inputs.splits["test"], training.test)
     with took("promote"):
@@ -89,11 +123,11 @@ def finetune(params: FinetuneParams = FinetuneParams()) -> RunSummary:
             predictions = predict_files.with_options(timeout_seconds=inputs.inference.timeout_s)(
                 store.model_dir, inputs.inference, store.predictions, params.ray_address
             )
-
-    took.fixed_costs(training.marks)
+    if trained.sweep is None:  # a sweep's trials each paid their own
+        took.fixed_costs(training.marks)
     config = params.model_dump(mode="json")
     outputs = Outputs(
-        tokenized=tokenized,
+        tokenized=ready.tokenized,
         checkpoints=store.train_dir,
         model=store.model_dir,
         metrics=store.metrics,
@@ -101,12 +135,12 @@ def finetune(params: FinetuneParams = FinetuneParams()) -> RunSummary:
         report=store.report,
         manifest=store.manifest,
     )
-    results = Results(test=metrics, training=training, promotion=promotion)
+    results = Results(test=metrics, training=training, promotion=promotion, sweep=trained.sweep)
     publish_report(store, config, inputs.splits, outputs, results, took.seconds)
     write_manifest(
         store.manifest,
         config=config,
-        data=DataRecord.of(inputs.splits, key),
+        data=DataRecord.of(inputs.splits, ready.key),
         outputs=outputs,
         results=results,
         seconds=took.seconds,

@@ -6,13 +6,16 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 from pydantic import BaseModel, ValidationError
+from pydantic_core import to_jsonable_python
 
 from tasks.core.config import FinetuneParams
 from tasks.core.strict import one_line
+
+Params = TypeVar("Params", bound=FinetuneParams)
 
 
 class BadInput(Exception):
@@ -26,7 +29,10 @@ def fields(model: type[BaseModel], prefix: str = "") -> Iterator[tuple[str, Any,
         if isinstance(kind, type) and issubclass(kind, BaseModel):
             yield from fields(kind, f"{prefix}{name}.")
         else:
-            yield f"{prefix}{name}", field.get_default(call_default_factory=True), field.description or ""
+            default = to_jsonable_python(
+                field.get_default(call_default_factory=True), exclude_none=True
+            )  # a sweep's space
+            yield f"{prefix}{name}", default, field.description or ""
 
 
 def fields_help(model: type[BaseModel]) -> str:
@@ -97,12 +103,13 @@ def read_params(path: Path) -> dict:
     return given or {}
 
 
-def finetune_params(params_file: Path | None, assignments: list[str]) -> FinetuneParams:
+def parameters(model: type[Params], params_file: Path | None, assignments: list[str]) -> Params:
+    """The command's parameters (FinetuneParams, or a sweep's): the file, then each --set over it."""
     given = read_params(params_file) if params_file else {}
     for assignment in assignments:
         given = assigned(given, assignment)
     try:
-        return FinetuneParams.model_validate(given)
+        return model.model_validate(given)
     except ValidationError as error:
         where = f"{params_file}: " if params_file else ""
         raise BadInput(where + one_line(error)) from None

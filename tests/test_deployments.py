@@ -16,7 +16,8 @@ from prefect.exceptions import ObjectNotFound
 from prefect.settings import PREFECT_API_URL
 
 from deployments.definitions import RETRAIN_CONFIG, deployments
-from tasks.train.task import TRAINING_TAG, train
+from tasks.prefect_side.limits import TRAINING_TAG
+from tasks.train.task import train
 
 
 def test_retraining_is_scheduled_with_the_files_parameters():

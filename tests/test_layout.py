@@ -15,6 +15,9 @@ PREFECT_SIDE = ("prefect_side/*.py", "*/task.py", "report/*.py")
 # `ftflow doctor` runs training's own plan, DeepSpeed config, trainer and engine set-up, so that
 # what it checks is what a run does.
 BORROWED = {("doctor", "train", module) for module in ("plan", "deepspeed_config", "trainer", "engine")}
+# A sweep trial trains as the train stage does: the same function; a trial stopped early has its
+# workers' placement group released as training's trainer notes it.
+BORROWED |= {("sweep", "train", "driver"), ("sweep", "train", "trainer")}
 
 
 def module(path: Path) -> str:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import ray
 from ray._private import ray_constants
+from ray.experimental import internal_kv
 from ray.util.placement_group import NODE_ID_LABEL_KEY
 
 from tasks.core import storage
@@ -36,6 +37,18 @@ def jobs_api(address: str | None) -> str | None:
     own convention for `ray job submit`. ftflow then runs each stage as a Ray Job (tasks/core/jobs.py)."""
     address = address or os.environ.get("RAY_ADDRESS") or ""
     return address if address.startswith(("http://", "https://")) else None
+
+
+# Noted in the local Ray's key-value store by connect(), which started it: so any of its processes
+# (a Tune trial's, Ray Train's controller) can tell; Ray's own dashboard address reads the same in a
+# worker process whether a dashboard runs or not.
+LOCAL_RAY, NAMESPACE = b"local-ray", b"ftflow"
+
+
+def local_ray() -> bool:
+    """The local Ray ftflow starts: one machine, no dashboard (so no state API), no node to lose to a
+    preemption, and a reaper that ends it with its driver."""
+    return internal_kv._internal_kv_get(LOCAL_RAY, namespace=NAMESPACE) is not None
 
 
 def connect(address: str | None = None) -> None:
@@ -65,6 +78,7 @@ def connect(address: str | None = None) -> None:
             include_dashboard=False,
             configure_logging=False,
         )
+        internal_kv._internal_kv_put(LOCAL_RAY, b"1", namespace=NAMESPACE)
         return
     try:
         ray.init(address=address)

@@ -9,6 +9,7 @@ here only: by StorageRoot (the root's own) and RunStore (a run's).
     <root>/runs/<run_id>/report/report.md, *.png       the run report and its plots
     <root>/runs/<run_id>/manifest.json                 written last: no manifest, no result
     <root>/runs/<run_id>/logs/, stall/                 the console's log file; stall reports
+    <root>/runs/<run_id>/trials/<trial_id>/train|model  a sweep's trials; tune/ its Ray Tune state
     <root>/models/<name>/champion                      the promoted model's URI, swapped in one conditional write
     <root>/labels/<name>/<run_id>/                     each champion's labelling (the on-promotion deployment)
     <root>/mlflow.db, mlflow-artifacts/                MLflow's default store, for a local root
@@ -195,9 +196,12 @@ class StorageRoot:
 class RunStore:
     root: str
     run_id: str
+    folder: str = "runs"  # of the root; a sweep's trials are run folders in its "trials" (trial)
 
     # Everything ftflow writes in a run's folder: a folder holding anything else is not ftflow's.
-    LAYOUT = frozenset({"train", "model", "metrics.json", "predictions", "report", "manifest.json", "logs", "stall"})
+    LAYOUT = frozenset(
+        {"train", "model", "metrics.json", "predictions", "report", "manifest.json", "logs", "stall", "trials", "tune"}
+    )
 
     def __post_init__(self) -> None:
         safe_name(self.run_id, "run_id")
@@ -225,7 +229,16 @@ class RunStore:
 
     @property
     def base(self) -> str:
-        return join(normalize(self.root), "runs", self.run_id)
+        return join(normalize(self.root), self.folder, self.run_id)
+
+    def trial(self, trial_id: str) -> RunStore:
+        """A sweep trial's training folders (train/, model/, stall/), inside the sweep's run folder."""
+        return RunStore(self.base, trial_id, "trials")
+
+    @property
+    def tune(self) -> str:
+        """A sweep's Ray Tune experiment state: what a re-run of the sweep restores."""
+        return join(self.base, "tune")
 
     @property
     def train_dir(self) -> str:

@@ -199,6 +199,16 @@ def download_dir(uri: str, local_dir: str | Path) -> Path:
     return local_dir
 
 
+def copy_dir(uri: str, to: str) -> None:
+    """Every file under uri to the same place under `to`, file by file (on S3 each a server-side
+    copy); both on one filesystem, as a root's folders are."""
+    fs, path = filesystem(uri)
+    _, target = filesystem(to)
+    fs.makedirs(target, exist_ok=True)
+    for source in fs.find(path):
+        fs.copy(source, join(target, source[len(path.rstrip("/")) + 1 :]))
+
+
 def pyarrow_filesystem(uri: str) -> tuple[str, pyarrow.fs.FileSystem | None]:
     """(path, filesystem) for Ray Train's RunConfig and Ray Data, sharing fsspec's S3 settings."""
     if not is_remote(uri):

@@ -16,6 +16,7 @@ from tasks.evaluate.contract import Metrics
 from tasks.infer.contract import Labelled
 from tasks.prefect_side.retries import RETRY_TRANSIENT
 from tasks.promote.contract import Decision
+from tasks.sweep.contract import SweepResult
 from tasks.train.contract import Result
 
 PACKAGES = ("torch", "transformers", "tokenizers", "deepspeed", "ray", "prefect", "pyarrow", "fsspec", "s3fs")
@@ -39,16 +40,18 @@ class Results(BaseModel):
     test: Metrics
     training: Result
     promotion: Decision
+    sweep: SweepResult | None = None  # a sweep's trials; training is its best trial's
 
     def recorded(self) -> dict:
-        """As the manifest holds them: the training's history, curve, nodes, strategy, why it stopped and which step it kept,
-        not its predictions."""
+        """As the manifest holds them: the training's history, curve, nodes, strategy, why it stopped and
+        which step it kept, not its predictions; a sweep's trials."""
         return self.model_dump(
             mode="json",
             include={
                 "test": True,
                 "promotion": True,
                 "training": {"history", "curve", "nodes", "strategy", "stopped", "kept"},
+                "sweep": {"metric", "direction", "fields", "trials", "best_trial"},  # its best's Result is training
             },
         )
 

@@ -27,9 +27,10 @@ from tasks.infer.contract import Labelled
 from tasks.prefect_side.retries import RETRY_TRANSIENT
 from tasks.promote.contract import Decision
 from tasks.report.manifest import Outputs, Results, versions
+from tasks.sweep.contract import SweepResult, shown
 from tasks.train.contract import Curve, Marks, Result
 
-PLOTS = {"training": "training.png", "confusion": "confusion-matrix.png"}
+PLOTS = {"training": "training.png", "confusion": "confusion-matrix.png", "sweep": "sweep.png"}
 
 
 class Stopwatch:
@@ -105,6 +106,66 @@ def training_plot(curve: Curve) -> bytes:
     return png(figure)
 
 
+def sweep_plot(sweep: SweepResult) -> bytes:
+    """Each trial's best validation metric against each searched field (log scale for a positive
+    range spanning a decade or more), stopped trials hollow, the best trial marked."""
+    figure = Figure(figsize=(5 * len(sweep.fields), 3.8))
+    scored = [trial for trial in sweep.trials if trial.best is not None]
+    for axes, name in zip(figure.subplots(1, len(sweep.fields), squeeze=False)[0], sweep.fields, strict=True):
+        for status, style in (("finished", {}), ("stopped early", {"facecolors": "none"})):
+            shown = [trial for trial in scored if trial.status == status]
+            axes.scatter(
+                [trial.config[name] for trial in shown],
+                [trial.best for trial in shown],
+                edgecolors="C0",
+                label=status,
+                **style,
+            )
+        best = sweep.best()
+        axes.scatter([best.config[name]], [best.best], marker="*", s=220, color="C3", label=f"best: {best.trial_id}")
+        values = [trial.config[name] for trial in scored if isinstance(trial.config[name], int | float)]
+        if values and min(values) > 0 and max(values) / min(values) >= 10:
+            axes.set_xscale("log")
+        axes.set(xlabel=f"train.{name}", ylabel=f"best {sweep.metric}")
+        axes.grid(alpha=0.3)
+        axes.legend(fontsize="small")
+    figure.tight_layout()
+    return png(figure)
+
+
+def trial_rows(sweep: SweepResult) -> list[dict]:
+    return [
+        {
+            "trial": f"**{trial.trial_id}**" if trial.trial_id == sweep.best_trial else trial.trial_id,
+            **{f"train.{name}": shown(trial.config[name]) for name in sweep.fields},
+            "status": trial.status,
+            f"last {sweep.metric}": None if trial.last is None else round(trial.last, 4),
+            f"best {sweep.metric}": None if trial.best is None else round(trial.best, 4),
+            "steps": trial.step,
+            "seconds": None if trial.seconds is None else round(trial.seconds, 1),
+            "how it ended": trial.how,
+        }
+        for trial in sweep.trials
+    ]
+
+
+def sweep_lines(sweep: SweepResult, image: str, stored: str) -> list[str]:
+    best = sweep.best()
+    return [
+        "## Sweep",
+        "",
+        f"{len(sweep.trials)} trials; the best by {sweep.metric} ({sweep.direction}imized), trial **{best.trial_id}**, "
+        "is the model evaluated, gated and used for inference below.",
+        "",
+        f"![best {sweep.metric} against the searched fields]({image})",
+        "",
+        stored,
+        "",
+        *table(trial_rows(sweep)),
+        "",
+    ]
+
+
 def confusion_plot(metrics: Metrics) -> bytes:
     names, counts = metrics.label_names, metrics.confusion_matrix
     figure = Figure(figsize=(1.2 * len(names) + 2.5, 1.0 * len(names) + 2))
@@ -160,6 +221,18 @@ def metric_rows(results: Results) -> list[dict]:
     if promotion.champion is not None:
         rows.append(("test", f"champion {promotion.metric}", promotion.champion))
     return [{"split": split, "metric": name, "value": round(value, 4)} for split, name, value in rows]
+
+
+def phase_lines(phases: dict[str, float]) -> list[str]:
+    """The run's every second, phase by phase; none for a sweep, whose trials each had their own."""
+    if not phases:
+        return []
+    return [
+        "Every second of the run, from its process's start to the report, phase by phase:",
+        "",
+        *table([{"phase": phase, "seconds": s} for phase, s in phases.items()]),
+        "",
+    ]
 
 
 def table(rows: list[dict]) -> list[str]:
@@ -223,11 +296,12 @@ def markdown(
         return f"Stored as {link(storage.join(store.report, PLOTS[name]), root)}"
 
     lines = [
-        f"# finetune run `{store.run_id}`",
+        f"# {'sweep' if results.sweep else 'finetune run'} `{store.run_id}`",
         "",
         f"Run folder: {link(store.base)}",
         "",
         *summary(results.test, results.promotion),
+        *(sweep_lines(results.sweep, images["sweep"], plot_link("sweep")) if results.sweep else []),
         "## Metrics",
         "",
         *table(metric_rows(results)),
@@ -258,10 +332,7 @@ def markdown(
         "",
         *table([{"stage": stage, "seconds": s} for stage, s in seconds.items() if stage != "phases"]),
         "",
-        "Every second of the run, from its process's start to the report, phase by phase:",
-        "",
-        *table([{"phase": phase, "seconds": s} for phase, s in seconds.get("phases", {}).items()]),
-        "",
+        *phase_lines(seconds.get("phases", {})),
         "## Stored artifacts",
         "",
         *table([{"what": what, "where": link(uri, root)} for what, uri in stored.items()]),
@@ -284,6 +355,8 @@ def publish_report(
 ) -> str:
     """report.md and its plots in the run's report folder, and the same report and a metrics table as Prefect artifacts."""
     plots = {"training": training_plot(results.training.curve), "confusion": confusion_plot(results.test)}
+    if results.sweep:
+        plots["sweep"] = sweep_plot(results.sweep)
     for name, image in plots.items():
         storage.write_bytes(storage.join(store.report, PLOTS[name]), image)
     beside = markdown(store, config, splits, outputs, results, seconds, PLOTS)

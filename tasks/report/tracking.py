@@ -24,6 +24,7 @@ from tasks.core import layout, storage
 from tasks.core.config import FinetuneParams
 from tasks.core.layout import RunStore
 from tasks.report.manifest import Results
+from tasks.sweep.contract import SweepResult
 
 # MLflow's client retries a failing HTTP request for minutes by default; a run waits for none of it.
 HTTP_RETRIES, HTTP_TIMEOUT_S = "0", "10"
@@ -153,8 +154,42 @@ def logged(uri: str, params: FinetuneParams, store: RunStore, results: Results, 
     )
     with tempfile.TemporaryDirectory() as folder:
         client.log_artifacts(run_id, str(storage.download_dir(store.report, folder)), "report")
+    if results.sweep:
+        log_trials(client, experiment_id, run_id, results.sweep)
     client.set_terminated(run_id)
     return run_id
+
+
+# A trial's MLflow status: one stopped by the scheduler was killed, not failed.
+TRIAL_STATUS = {"finished": "FINISHED", "stopped early": "KILLED", "failed": "FAILED"}
+
+
+def log_trials(client, experiment_id: str, parent_id: str, sweep: SweepResult) -> None:
+    """A child run of the sweep's run per trial: its drawn values, its metric, how it ended."""
+    from mlflow.entities import Metric, Param, RunTag
+
+    stamp = int(time.time() * 1000)
+    for trial in sweep.trials:
+        query = f"tags.`ftflow.trial_id` = '{trial.trial_id}' and tags.`mlflow.parentRunId` = '{parent_id}'"
+        [found] = client.search_runs([experiment_id], query, max_results=1) or [None]
+        child = found or client.create_run(
+            experiment_id,
+            run_name=trial.trial_id,
+            tags={"mlflow.parentRunId": parent_id, "ftflow.trial_id": trial.trial_id},
+        )
+        values = {
+            f"best_{sweep.metric}": trial.best,
+            f"last_{sweep.metric}": trial.last,
+            "steps": trial.step,
+            "seconds": trial.seconds,
+        }
+        client.log_batch(
+            child.info.run_id,
+            metrics=[Metric(name, float(value), stamp, 0) for name, value in values.items() if value is not None],
+            params=[] if found else [Param(f"train.{name}", str(value)) for name, value in trial.config.items()],
+            tags=[RunTag("ftflow.trial_status", trial.status), RunTag("ftflow.trial_ended", trial.how[:5000])],
+        )
+        client.set_terminated(child.info.run_id, status=TRIAL_STATUS.get(trial.status, "FINISHED"))
 
 
 def default_artifacts(storage_root: str) -> str | None:

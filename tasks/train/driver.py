@@ -10,7 +10,15 @@ import math
 import os
 
 import ray
-from ray.train import CheckpointConfig, ControllerError, FailureConfig, RunConfig, ScalingConfig, WorkerGroupError
+from ray.train import (
+    CheckpointConfig,
+    ControllerError,
+    FailureConfig,
+    RunConfig,
+    ScalingConfig,
+    UserCallback,
+    WorkerGroupError,
+)
 from ray.train.torch import TorchConfig
 from ray.train.v2._internal.constants import (
     ENABLE_PREEMPTION_WATCHER_ENV_VAR,
@@ -31,7 +39,7 @@ from tasks.train.deepspeed_config import deepspeed_config
 from tasks.train.entry import train_worker
 from tasks.train.ingest import data_config, rows_in, split
 from tasks.train.plan import cpu_has_native_bf16, planned
-from tasks.train.trainer import Trainer, local_ray, worker_exception
+from tasks.train.trainer import RUN_NAME, Trainer, worker_exception
 from tasks.train.watch import FailureRelay, Watchdog
 
 # glibc raises its mmap threshold to 32 MiB after the first large free, so tensors up to that size
@@ -49,7 +57,19 @@ def fit(
     tokenized: dict[str, str], model: ModelConfig, label_names: list[str], cfg: TrainConfig, store: RunStore
 ) -> Result:
     """The stage's Ray work (tasks/core/jobs.py runs it where the cluster is): plan, then Ray Train."""
-    logger = jobs.log
+    return trained(jobs.log, tokenized, model, label_names, cfg, store)
+
+
+def trained(
+    logger: logging.Logger,
+    tokenized: dict[str, str],
+    model: ModelConfig,
+    label_names: list[str],
+    cfg: TrainConfig,
+    store: RunStore,
+    callbacks: tuple[UserCallback, ...] = (),
+) -> Result:
+    """One training run, for the train stage or a sweep's trial (whose callback reports to Ray Tune)."""
     cfg, choice, the_plan = planned(model, label_names, cfg)  # refuse what cannot run before any worker starts
     if choice:
         logger.info("strategy=auto: %s", choice.reason)
@@ -58,7 +78,7 @@ def fit(
     say_plan(logger, spec)
     # The workers' ticks, lines and heartbeats, while training runs; a stall is reported under the run.
     with relayed(logger, Watchdog(logger, store.stall, cfg.stall_warning_s)) as channel:
-        trainer = build_trainer(spec, channel, train_rows.random_shuffle(seed=cfg.seed), store)
+        trainer = build_trainer(spec, channel, train_rows.random_shuffle(seed=cfg.seed), store, callbacks)
         ray_train_settings(cfg)
         run(trainer, spec)
     result = Result.model_validate(storage.read_json(storage.join(store.model_dir, STATE_FILE)))
@@ -120,7 +140,9 @@ def say_plan(logger: logging.Logger, spec: WorkerSpec) -> None:
         )
 
 
-def build_trainer(spec: WorkerSpec, channel: str, train_rows, store: RunStore) -> Trainer:
+def build_trainer(
+    spec: WorkerSpec, channel: str, train_rows, store: RunStore, callbacks: tuple[UserCallback, ...] = ()
+) -> Trainer:
     """Ray Train's trainer for the spec: its workers, their process group, the stream, checkpoints."""
     cfg, the_plan = spec.train, spec.plan
     storage_path, filesystem = storage.pyarrow_filesystem(store.train_dir)
@@ -141,14 +163,15 @@ def build_trainer(spec: WorkerSpec, channel: str, train_rows, store: RunStore) -
             backend="nccl" if the_plan.use_gpu else "gloo", timeout_s=int(cfg.collective_timeout_s)
         ),
         run_config=RunConfig(
-            name="ray",
+            name=RUN_NAME,
             storage_path=storage_path,
             storage_filesystem=filesystem,
             worker_runtime_env={"env_vars": ZERO3_WORKER_ENV if cfg.zero_stage == 3 else {}},
             checkpoint_config=checkpoint_config(cfg),
             # A controller failure is the worker group not starting: retried, it would wait forever.
             failure_config=FailureConfig(max_failures=cfg.max_failures, controller_failure_limit=0),
-            callbacks=[FailureRelay(channel, cfg.max_failures)],  # each failure said at once, not only in Ray's log
+            # each failure said at once, not only in Ray's log
+            callbacks=[FailureRelay(channel, cfg.max_failures), *callbacks],
         ),
     )
 
@@ -170,7 +193,7 @@ def ray_train_settings(cfg: TrainConfig) -> None:
     preempted."""
     os.environ[WORKER_GROUP_START_TIMEOUT_S_ENV_VAR] = str(cfg.wait_for_workers_s)
     os.environ[HEALTH_CHECK_INTERVAL_S_ENV_VAR] = str(HEALTH_CHECK_INTERVAL_S)
-    os.environ[ENABLE_PREEMPTION_WATCHER_ENV_VAR] = "0" if local_ray() else "1"
+    os.environ[ENABLE_PREEMPTION_WATCHER_ENV_VAR] = "0" if cluster.local_ray() else "1"
 
 
 def run(trainer: Trainer, spec: WorkerSpec) -> None:

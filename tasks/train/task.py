@@ -9,15 +9,12 @@ from tasks.core import jobs
 from tasks.core.config import ModelConfig
 from tasks.core.layout import RunStore
 from tasks.core.train_config import TrainConfig
+from tasks.prefect_side.limits import TRAINING_TAG
 from tasks.prefect_side.live import Tracked
 from tasks.prefect_side.retries import RETRY_TRANSIENT
 from tasks.train.contract import Result
 from tasks.train.driver import fit
 from tasks.train.plan import check_plan
-
-# Carried by every training task run: a Prefect concurrency limit on this tag (deployments/) keeps
-# two training runs from competing for one Ray cluster.
-TRAINING_TAG = "ray-training"
 
 
 @task(tags=[TRAINING_TAG], **RETRY_TRANSIENT)

@@ -4,11 +4,18 @@ and a failed worker group's error as the worker's own exception."""
 from __future__ import annotations
 
 import ray
+from ray._raylet import PlacementGroupID
+from ray.experimental import internal_kv
 from ray.train import WorkerGroupError
 from ray.train.torch import TorchTrainer
 from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
+from ray.train.v2._internal.execution.callback import WorkerGroupCallback
+from ray.util.placement_group import PlacementGroup, placement_group_table, remove_placement_group
 
+from tasks.core import cluster, storage
 from tasks.train.watch import own
+
+RUN_NAME = "ray"  # Ray Train's name for a run's folder in its train_dir (RunConfig.name)
 
 
 def worker_exception(error: WorkerGroupError) -> BaseException:
@@ -27,18 +34,44 @@ class Trainer(TorchTrainer):
     lives, to remove its placement group if it died. With no dashboard it can never know: each ask
     searched this machine's Ray processes for 40 s, and its stop at the end of every fit() waited out
     its 12 s timeout (bench/local_fit.py). On the local Ray, ftflow's reaper (tasks/core/reaper.py)
-    ends the whole Ray with its driver, placement groups included. Ray Train has no option to leave
-    the cleaner out, hence this override of its default callbacks.
+    ends the whole Ray with its driver, placement groups included; within it, a sweep trial that Ray
+    Tune stops takes its controller with it and leaves the workers' placement group reserved (Ray
+    scopes it to the job), so the group is noted (PlacementGroupNote) for the sweep to release.
+    Ray Train has no option to leave the cleaner out, hence this override of its default callbacks.
     """
 
     def _create_default_callbacks(self) -> list:
         callbacks = super()._create_default_callbacks()
-        if not local_ray():
+        # A driver process knows whether its Ray has a dashboard; a worker process (a Tune trial's)
+        # reads an address either way, and knows ftflow's local Ray by its note (cluster.local_ray).
+        if not (cluster.local_ray() or not ray._private.worker.get_dashboard_url()):
             return callbacks
-        return [callback for callback in callbacks if not isinstance(callback, PlacementGroupCleanerCallback)]
+        kept = [callback for callback in callbacks if not isinstance(callback, PlacementGroupCleanerCallback)]
+        return [*kept, PlacementGroupNote(f"{self.run_config.storage_path}/{self.run_config.name}")]
 
 
-def local_ray() -> bool:
-    """The local Ray ftflow starts (tasks/core/cluster.py), known by its lack of a dashboard: one
-    machine, no node to lose to a preemption, and a reaper that ends it with its driver."""
-    return not ray._private.worker.get_dashboard_url()
+PLACEMENT_GROUPS = "ftflow-placement-groups"  # the namespace of Ray's key-value store they are noted in
+
+
+class PlacementGroupNote(WorkerGroupCallback):
+    """Notes the placement group of each worker group the controller starts, under the run's storage
+    path, in Ray's key-value store (the controller's own process: Ray's internal callback API)."""
+
+    def __init__(self, run: str):
+        self.run = run
+
+    def after_worker_group_start(self, worker_group) -> None:
+        group = worker_group.get_worker_group_state().placement_group_handle.placement_group
+        internal_kv._internal_kv_put(self.run, group.id.hex(), namespace=PLACEMENT_GROUPS)
+
+
+def release_placement_group(train_dir: str) -> None:
+    """Remove the placement group noted for the training run in train_dir, if it is still there: what
+    the cleaner would have done once its controller died."""
+    storage_path, _ = storage.pyarrow_filesystem(train_dir)
+    noted = internal_kv._internal_kv_get(f"{storage_path}/{RUN_NAME}", namespace=PLACEMENT_GROUPS)
+    if noted is None:
+        return
+    group = PlacementGroup(PlacementGroupID(bytes.fromhex(noted.decode())))
+    if placement_group_table(group).get("state") not in (None, "REMOVED"):
+        remove_placement_group(group)

@@ -333,7 +333,13 @@ class Recipe:
 
     def reported(self, position: float, evaluated: bool) -> dict:
         """What a report to Ray Train says: where training is, and the validation there if it just ran."""
-        metrics = {"epoch": position, "step": self.engine.global_steps, SCORE: UNVALIDATED}
+        # evaluations: the clock of Ray Tune's ASHA, whose grace period counts them (tasks/sweep/)
+        metrics = {
+            "epoch": position,
+            "step": self.engine.global_steps,
+            "evaluations": len(self.progress.curve.validation),
+            SCORE: UNVALIDATED,
+        }
         if evaluated:
             point = self.progress.curve.validation[-1]
             metrics |= {"val_loss": point.loss, "val_accuracy": point.accuracy, SCORE: point.accuracy}
@@ -375,7 +381,7 @@ class Recipe:
         )
         self.pulse("checkpointing", self.engine.global_steps)
         record = self.progress.history[-1]
-        save(self.engine, self.progress, record.model_dump() | {SCORE: record.val_accuracy})
+        save(self.engine, self.progress, self.reported(record.epoch, evaluated=True) | record.model_dump())
 
     def epoch_record(self, epoch: int, stats: EpochStats) -> EpochRecord:
         elapsed = time.perf_counter() - stats.first_done - stats.paused

@@ -1,0 +1,43 @@
+"""What a sweep returns, typed: a record per trial and the best trial's training Result. Imports no
+Prefect, Ray or torch."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel
+
+from tasks.train.contract import Result
+
+Ended = Literal["pending", "running", "finished", "stopped early", "failed"]
+
+
+def shown(value: Any) -> str:
+    """A searched field's value as the trial table shows it."""
+    return f"{value:.3g}" if isinstance(value, float) else str(value)
+
+
+class TrialRecord(BaseModel):
+    """One trial as the sweep's table shows it."""
+
+    trial_id: str
+    config: dict[str, Any]  # the searched train.* fields' values
+    status: Ended
+    how: str  # how it ended, in words: its epochs, early stopping, the scheduler, or its error's line
+    last: float | None = None  # the metric at its last evaluation
+    best: float | None = None  # the best over its evaluations
+    step: int | None = None  # its last reported optimizer step
+    evaluations: int = 0
+    seconds: float | None = None
+
+
+class SweepResult(BaseModel):
+    metric: str
+    direction: str  # max or min
+    fields: list[str]  # the searched train.* fields
+    trials: list[TrialRecord]
+    best_trial: str
+    training: Result  # the best trial's, as a run's train stage returns it (its model copied to the run's)
+
+    def best(self) -> TrialRecord:
+        return next(trial for trial in self.trials if trial.trial_id == self.best_trial)
