@@ -76,6 +76,15 @@ def model_hub():
         ),
         (["run", "--epochs", "3"], "ftflow run: No such option: --epochs (see --help)"),
         (
+            ["sweep", "--set", "sweep.space.train.learnin_rate={{loguniform: [1e-5, 5e-4]}}"],
+            "ftflow sweep: sweep.space.train.learnin_rate: 1e-05: unknown parameter 'learnin_rate': did you mean "
+            "'learning_rate'?",
+        ),
+        (
+            ["sweep", "--set", "sweep.space.train.learning_rate={{loguniform: [0, 5e-4]}}"],
+            "ftflow sweep: sweep.space.train.learning_rate: loguniform [0, 0.0005]: low must be above 0",
+        ),
+        (
             ["infer", "m", "in.jsonl", "out", "--device", "tpu"],
             "ftflow infer: device: Input should be 'auto', 'cpu' or 'gpu'",
         ),

@@ -21,9 +21,10 @@ from tasks.train.task import train
 
 
 def test_retraining_is_scheduled_with_the_files_parameters():
-    retrain, on_promotion, on_demand = deployments()
+    retrain, on_promotion, on_demand, sweep = deployments()
     config = yaml.safe_load(RETRAIN_CONFIG.read_text())
     assert (retrain.name, on_promotion.name, on_demand.name) == ("retrain", "on-promotion", "on-demand")
+    assert (sweep.flow_name, sweep.name) == ("sweep", "on-demand") and not sweep.schedules
     schedule = retrain.schedules[0].schedule
     assert (schedule.cron, schedule.timezone) == (config["cron"], config["timezone"])
     assert retrain.parameters == {"params": config["parameters"]}, (
@@ -71,7 +72,7 @@ def test_ftflow_deploy_registers_them_with_a_work_pool_and_their_triggers():
             assert run.returncode == 0, run.stdout + run.stderr
             deployed = {
                 name: client.read_deployment_by_name(name)
-                for name in ("finetune/retrain", "batch_infer/on-promotion", "batch_infer/on-demand")
+                for name in ("finetune/retrain", "batch_infer/on-promotion", "batch_infer/on-demand", "sweep/on-demand")
             }
             assert {deployment.work_pool_name for deployment in deployed.values()} == {pool}
             triggers = {
