@@ -10,7 +10,7 @@ validation and test splits), so a trial takes about a minute here. Prints each s
 best model's test accuracy. Targets: ASHA's sweep at most half the other's time; its best validation
 accuracy at or above the default configuration's.
 
-    python bench/sweep.py [--rows 1024] [--trials 8]
+    python bench/sweep.py [--rows 1024] [--trials 8] [--epochs 1 2]
 """
 
 from __future__ import annotations
@@ -33,8 +33,12 @@ TRAIN = {"train.eval_every_steps": 16}
 SPACE = {"train.learning_rate": {"loguniform": [1e-5, 1e-3]}, "train.epochs": {"choice": [1, 2]}}
 
 
+def space(epochs: list[int]) -> dict:
+    return SPACE | {"train.epochs": {"choice": epochs}}
+
+
 def subset(rows: int, folder: Path) -> Path:
-    lines = (DATA / "train.jsonl").read_text().splitlines()
+    lines = (DATA / "train.jsonl").read_text().strip().split("\n")  # not splitlines: texts hold U+2028
     random.Random(0).shuffle(lines)
     path = folder / f"train-{rows}.jsonl"
     path.write_text("\n".join(lines[:rows]) + "\n")
@@ -72,6 +76,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", type=int, default=1024)
     parser.add_argument("--trials", type=int, default=8)
+    parser.add_argument("--epochs", type=int, nargs="+", default=[1, 2], help="The epochs to choose from.")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as folder:
         root = Path(folder) / "store"
@@ -86,7 +91,7 @@ def main() -> None:
         default, default_wall = ftflow("run", base, root, "default")
         sweeps = {}
         for scheduler in ("asha", "none"):
-            search = {"sweep": {"space": SPACE, "trials": args.trials, "scheduler": scheduler, "seed": 0}}
+            search = {"sweep": {"space": space(args.epochs), "trials": args.trials, "scheduler": scheduler, "seed": 0}}
             sweeps[scheduler] = ftflow("sweep", base | search, root, f"sweep-{scheduler}")
     default_accuracy = best_validation(default)
     print(f"default run: {default_wall:.0f} s, validation accuracy {default_accuracy:.4f}")
