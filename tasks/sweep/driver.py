@@ -182,6 +182,7 @@ class TrialTable(tune.Callback):
     def __init__(self, sweep: SweepConfig, store: RunStore):
         self.sweep, self.store = sweep, store
         self.seen: dict[str, list[float]] = {}  # each trial's metric values so far
+        self.evaluations: dict[str, int] = {}
         self.ended: dict[str, str] = {}
 
     def on_trial_start(self, iteration, trials, trial, **info):
@@ -190,6 +191,7 @@ class TrialTable(tune.Callback):
     def on_trial_result(self, iteration, trials, trial, result, **info):
         if self.sweep.metric in result:
             self.seen.setdefault(trial.trial_id, []).append(result[self.sweep.metric])
+        self.evaluations[trial.trial_id] = result.get("evaluations", 0)  # trial.last_result is the one before
         self.show(trial, "running", trials)
 
     def on_trial_complete(self, iteration, trials, trial, **info):
@@ -214,12 +216,11 @@ class TrialTable(tune.Callback):
         values = self.seen.get(trial.trial_id, [])
         drawn = ", ".join(f"{name} {shown(trial.config[name])}" for name in self.sweep.fields())
         metric = f", {self.sweep.metric} {values[-1]:.4f} (best {self.best(values):.4f})" if values else ""
-        last = trial.last_result or {}
         log_tick(
             jobs.log,
             Tick(
                 stage=f"trial {trial.trial_id}",
-                done=last.get("evaluations", 0),
+                done=self.evaluations.get(trial.trial_id, 0),
                 total=None,
                 unit="evaluations",
                 text=f"{status}, {drawn}{metric}",
