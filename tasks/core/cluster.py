@@ -47,8 +47,12 @@ LOCAL_RAY, NAMESPACE = b"local-ray", b"ftflow"
 
 def local_ray() -> bool:
     """The local Ray ftflow starts: one machine, no dashboard (so no state API), no node to lose to a
-    preemption, and a reaper that ends it with its driver."""
-    return internal_kv._internal_kv_get(LOCAL_RAY, namespace=NAMESPACE) is not None
+    preemption, and a reaper that ends it with its driver. A driver knows it by its lack of a dashboard
+    address, a worker process (a Tune trial's) by connect()'s note."""
+    return (
+        not ray._private.worker.get_dashboard_url()
+        or internal_kv._internal_kv_get(LOCAL_RAY, namespace=NAMESPACE) is not None
+    )
 
 
 def connect(address: str | None = None) -> None:

@@ -3,7 +3,6 @@ and a failed worker group's error as the worker's own exception."""
 
 from __future__ import annotations
 
-import ray
 from ray._raylet import PlacementGroupID
 from ray.experimental import internal_kv
 from ray.train import WorkerGroupError
@@ -42,9 +41,7 @@ class Trainer(TorchTrainer):
 
     def _create_default_callbacks(self) -> list:
         callbacks = super()._create_default_callbacks()
-        # A driver process knows whether its Ray has a dashboard; a worker process (a Tune trial's)
-        # reads an address either way, and knows ftflow's local Ray by its note (cluster.local_ray).
-        if not (cluster.local_ray() or not ray._private.worker.get_dashboard_url()):
+        if not cluster.local_ray():
             return callbacks
         kept = [callback for callback in callbacks if not isinstance(callback, PlacementGroupCleanerCallback)]
         return [*kept, PlacementGroupNote(f"{self.run_config.storage_path}/{self.run_config.name}")]
