@@ -28,7 +28,6 @@ from tasks.sweep.trial import run_trial
 from tasks.train.contract import STATE_FILE, Result
 from tasks.train.trainer import release_placement_group
 
-TUNE_FOLDER = "tune"  # RunStore.tune's name
 TRIAL_DRIVER_MEMORY = 256 * 2**20
 RELEASE_POLL_S = 0.2
 
@@ -65,8 +64,8 @@ def search(
 
 def tuner(trainable, sweep: SweepConfig, store: RunStore, logger: logging.Logger) -> tune.Tuner:
     """The sweep's Tuner: restored from its experiment state where an earlier attempt left one."""
-    storage_path, filesystem = storage.pyarrow_filesystem(store.base)
-    experiment = f"{storage_path}/{TUNE_FOLDER}"
+    experiment, filesystem = storage.pyarrow_filesystem(store.tune)
+    parent, name = experiment.rsplit("/", 1)
     if tune.Tuner.can_restore(experiment, storage_filesystem=filesystem):
         logger.info("sweep %s: continuing its trials from %s", store.run_id, store.tune)
         return tune.Tuner.restore(
@@ -83,8 +82,8 @@ def tuner(trainable, sweep: SweepConfig, store: RunStore, logger: logging.Logger
             trial_dirname_creator=lambda trial: trial.trial_id,
         ),
         run_config=tune.RunConfig(
-            name=TUNE_FOLDER,
-            storage_path=storage_path,
+            name=name,
+            storage_path=parent,
             storage_filesystem=filesystem,
             callbacks=[TrialTable(sweep, store)],
             failure_config=tune.FailureConfig(max_failures=0),  # worker failures: train.max_failures, in the trial
