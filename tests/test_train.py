@@ -131,7 +131,7 @@ def check_export(result: Result, cfg: TrainConfig, run_dir: Path, uris: dict, ti
     """The exported model is the trained engine's, in fp32, labelled; a model-parallel worker held its share."""
     model_dir = run_dir / "model"
     assert_model_is_the_trained_engine(
-        model_dir, uris, result.kept.val_accuracy, tie=0.05 if cfg.precision == "bf16" else 1e-4
+        model_dir, uris, result.kept.validation.accuracy, tie=0.05 if cfg.precision == "bf16" else 1e-4
     )
     initial = AutoModelForSequenceClassification.from_pretrained(tiny_model).state_dict()
     exported = AutoModelForSequenceClassification.from_pretrained(model_dir)
@@ -233,7 +233,7 @@ def test_a_killed_and_a_failed_worker_resume_from_the_last_checkpoint(tokenized,
     assert [row.epoch for row in history] == [1, 2] and history[-1].step == 2 * steps_per_epoch
     resumed_from = history[-1].resumed_from_step
     assert resumed_from > 0 and resumed_from % 10 == 0, "training restarted from step 0"
-    assert_model_is_the_trained_engine(run_dir / "model", uris, trained.kept.val_accuracy)
+    assert_model_is_the_trained_engine(run_dir / "model", uris, trained.kept.validation.accuracy)
     # The report's curve has every step once across the restarts: training every 10 steps
     # (log_every_steps), validation every 100 steps and at each epoch's end.
     assert [point.step for point in curve.train] == list(range(10, 2 * steps_per_epoch + 1, 10))
@@ -300,7 +300,7 @@ def test_early_stopping_ends_training_after_evaluations_without_a_higher_accurac
     assert [point.step for point in stopped.curve.validation] == [5, 10, 15]
     assert [(row.step, row.val_accuracy) for row in stopped.history] == [(15, stopped.curve.validation[0].accuracy)]
     assert stopped.stopped == (
-        "early stopping at step 15: no higher validation accuracy in 2 evaluation(s) than step 5's "
+        "early stopping at step 15: no better val_accuracy in 2 evaluation(s) than step 5's "
         f"{stopped.curve.validation[0].accuracy:.4f}"
     )
     again = fit(uris, tiny_model, cfg, run_dir)
@@ -317,9 +317,9 @@ def test_the_best_validated_step_is_exported_not_the_last(tokenized, tiny_model)
     validation = trained.curve.validation
     best = max(validation, key=lambda point: point.accuracy)
     assert best.accuracy > validation[-1].accuracy, "the case needs a run whose last step is not its best"
-    assert trained.kept.val_accuracy == best.accuracy and trained.kept.step < validation[-1].step == 256
+    assert trained.kept.validation.accuracy == best.accuracy and trained.kept.step < validation[-1].step == 256
     assert trained.kept.reason == (
-        f"the best validated (keep_best): accuracy {best.accuracy:.4f}, against {validation[-1].accuracy:.4f} "
+        f"the best validated (keep_best): val_accuracy {best.accuracy:.4f}, against {validation[-1].accuracy:.4f} "
         "at the last step, 256"
     )
     assert_model_is_the_trained_engine(run_dir / "model", uris, best.accuracy)
@@ -332,14 +332,14 @@ def test_max_steps_bounds_a_run_and_a_rerun_continues_it(tokenized, tiny_model):
     run_dir = Path(root) / "runs" / "rerun"
     first = fit(uris, tiny_model, TrainConfig(epochs=2, max_steps=50, batch_size=16, num_workers=2), run_dir)
     assert [(row.epoch, row.step) for row in first.history] == [(round(50 / 128, 4), 50)]
-    assert_model_is_the_trained_engine(run_dir / "model", uris, first.kept.val_accuracy)
+    assert_model_is_the_trained_engine(run_dir / "model", uris, first.kept.validation.accuracy)
 
     longer = fit(uris, tiny_model, TrainConfig(epochs=2, batch_size=16, num_workers=2), run_dir)
     assert longer.history[0] == first.history[0], "the first 50 steps were trained again"
     assert [(row.epoch, row.step, row.resumed_from_step) for row in longer.history[1:]] == [(1, 128, 50), (2, 256, 50)]
     assert longer.curve.train[: len(first.curve.train)] == first.curve.train
     assert [point.step for point in longer.curve.train] == list(range(10, 257, 10))
-    assert_model_is_the_trained_engine(run_dir / "model", uris, longer.kept.val_accuracy)
+    assert_model_is_the_trained_engine(run_dir / "model", uris, longer.kept.validation.accuracy)
 
 
 def test_evaluating_more_often_trains_the_same_model(tokenized, tiny_model, tmp_path):

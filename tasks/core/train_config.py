@@ -14,6 +14,11 @@ from tasks.core.strict import DEVICE, Device, Strict
 AUTO_CHOOSES = ("zero_stage", "offload_optimizer", "offload_params", "tensor_parallel_size", "pipeline_parallel_size")
 
 
+# The validation metrics training reports at each evaluation, and which way is better.
+Monitor = Literal["val_accuracy", "val_loss"]
+BETTER: dict[str, Literal["max", "min"]] = {"val_accuracy": "max", "val_loss": "min"}
+
+
 class TrainConfig(Strict):
     """Training, with every DeepSpeed memory and speed feature; tasks/train/driver.py derives the DeepSpeed JSON."""
 
@@ -102,11 +107,16 @@ class TrainConfig(Strict):
     checkpoint_every_steps: int = Field(
         0, ge=0, description="Also checkpoint the DeepSpeed state every N optimizer steps (0: at epoch ends only)."
     )
+    monitor: Monitor = Field(
+        "val_accuracy",
+        description="The validation metric early stopping and keep_best watch: the higher accuracy or the lower loss "
+        "is better (a sweep's trials watch sweep.metric instead).",
+    )
     early_stopping_patience: int | None = Field(
         None,
         ge=1,
-        description="Stop training after N evaluations in a row without a higher validation accuracy than the "
-        "best so far (evaluations: every eval_every_steps and at epoch ends); None: train every epoch.",
+        description="Stop training after N evaluations in a row without a better monitor value than the best so far "
+        "(evaluations: every eval_every_steps and at epoch ends); None: train every epoch.",
     )
     # On by default: what evaluation scores, the gate promotes and inference labels is the model
     # validation picked, not whichever step training happened to end on (an epoch that overfits, or the
@@ -114,8 +124,8 @@ class TrainConfig(Strict):
     # between scheduled ones, and a checkpoint load at the end when the best was not the last step.
     keep_best: bool = Field(
         True,
-        description="Export (and evaluate, promote, label with) the checkpoint with the highest validation accuracy "
-        "(of equals the later), not the last step's: each new best evaluation is checkpointed; false: the last step's.",
+        description="Export (and evaluate, promote, label with) the checkpoint with the best monitor value (of equals "
+        "the later), not the last step's: each new best evaluation is checkpointed; false: the last step's.",
     )
     shuffle_buffer_rows: int = Field(
         2048,

@@ -213,7 +213,7 @@ def metric_rows(results: Results) -> list[dict]:
     ]
     kept = results.training.kept
     if kept and kept.step != last.step:  # keep_best exported an earlier step than the last
-        rows.append(("validation", f"accuracy at step {kept.step}, exported", kept.val_accuracy))
+        rows.append(("validation", f"accuracy at step {kept.step}, exported", kept.validation.accuracy))
     rows += [
         ("test", "accuracy", metrics.accuracy),
         ("test", "macro_f1", metrics.macro_f1),

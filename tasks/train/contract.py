@@ -5,9 +5,11 @@ checkpoint holds for resume; Choice is what strategy=auto chose. Imports no Pref
 
 from __future__ import annotations
 
+import math
+
 from pydantic import BaseModel
 
-from tasks.core.train_config import TrainConfig
+from tasks.core.train_config import BETTER, Monitor, TrainConfig
 
 
 class Choice(BaseModel):
@@ -81,6 +83,14 @@ class Point(BaseModel):
     loss: float
     accuracy: float
 
+    def value(self, monitor: Monitor) -> float:
+        return self.accuracy if monitor == "val_accuracy" else self.loss
+
+    def score(self, monitor: Monitor) -> float:
+        """The monitor's value as a score where higher is better (a loss gone NaN or infinite: the lowest)."""
+        score = self.value(monitor) if BETTER[monitor] == "max" else -self.value(monitor)
+        return score if math.isfinite(score) else UNVALIDATED
+
 
 class Curve(BaseModel):
     """Loss and accuracy per optimizer step, for the run report's plots: training averaged over the
@@ -89,12 +99,12 @@ class Curve(BaseModel):
     train: list[Point] = []
     validation: list[Point] = []
 
-    def evaluations_since_best(self) -> int:
-        """Evaluations after the one with the highest validation accuracy (the first of equals): what
-        early stopping counts. Read from the curve, which every checkpoint holds, so a resumed run
-        counts on where it stopped."""
-        accuracies = [point.accuracy for point in self.validation]
-        return len(accuracies) - 1 - accuracies.index(max(accuracies)) if accuracies else 0
+    def evaluations_since_best(self, monitor: Monitor) -> int:
+        """Evaluations after the one with the best monitor value (the first of equals): what early
+        stopping counts. Read from the curve, which every checkpoint holds, so a resumed run counts on
+        where it stopped."""
+        scores = [point.score(monitor) for point in self.validation]
+        return len(scores) - 1 - scores.index(max(scores)) if scores else 0
 
 
 class EpochRecord(BaseModel):
@@ -120,19 +130,23 @@ class Progress(BaseModel):
     curve: Curve = Curve()
 
 
-# The metric every checkpoint reports for Ray Train to rank it by (keep_best): the validation accuracy
-# at that step, or UNVALIDATED for a scheduled checkpoint no evaluation fell on (below every accuracy,
-# so Ray Train drops those first; it always keeps the latest, for resume).
+# The metric every checkpoint reports for Ray Train to rank it by (keep_best): the monitor's score at
+# that step (score()), or UNVALIDATED for a scheduled checkpoint no evaluation fell on (below every
+# score, so Ray Train drops those first; it always keeps the latest, for resume). Finite: Ray Train's
+# checkpoint snapshot writes -inf as null, which a resumed run's checkpoint manager cannot rank.
 SCORE = "kept_score"
-UNVALIDATED = -1.0
+UNVALIDATED = -1e300
 
 
 class Kept(BaseModel):
-    """The step whose model training exported, and why."""
+    """The step whose model training exported: its evaluation there, and why."""
 
-    step: int
-    val_accuracy: float
+    validation: Point
     reason: str
+
+    @property
+    def step(self) -> int:
+        return self.validation.step
 
 
 class Marks(BaseModel):

@@ -328,8 +328,8 @@ class Recipe:
         return step >= self.spec.max_steps or self.patience_spent()
 
     def new_best(self) -> bool:
-        """With keep_best, whether the evaluation just made scored higher than every one before it."""
-        return self.cfg.keep_best and self.progress.curve.evaluations_since_best() == 0
+        """With keep_best, whether the evaluation just made scored better than every one before it."""
+        return self.cfg.keep_best and self.progress.curve.evaluations_since_best(self.cfg.monitor) == 0
 
     def reported(self, position: float, evaluated: bool) -> dict:
         """What a report to Ray Train says: where training is, and the validation there if it just ran."""
@@ -342,22 +342,22 @@ class Recipe:
         }
         if evaluated:
             point = self.progress.curve.validation[-1]
-            metrics |= {"val_loss": point.loss, "val_accuracy": point.accuracy, SCORE: point.accuracy}
+            metrics |= {"val_loss": point.loss, "val_accuracy": point.accuracy, SCORE: point.score(self.cfg.monitor)}
         return metrics
 
     def patience_spent(self) -> bool:
         """Early stopping's test, after an evaluation: early_stopping_patience evaluations in a row
-        without a higher validation accuracy."""
+        without a better monitor value."""
         patience = self.cfg.early_stopping_patience
-        return patience is not None and self.progress.curve.evaluations_since_best() >= patience
+        return patience is not None and self.progress.curve.evaluations_since_best(self.cfg.monitor) >= patience
 
     def stop_reason(self) -> str:
         validation = self.progress.curve.validation
         if self.patience_spent():
-            best = validation[-1 - self.progress.curve.evaluations_since_best()]
+            best = validation[-1 - self.progress.curve.evaluations_since_best(self.cfg.monitor)]
             return (
-                f"early stopping at step {self.engine.global_steps}: no higher validation accuracy in "
-                f"{self.cfg.early_stopping_patience} evaluation(s) than step {best.step}'s {best.accuracy:.4f}"
+                f"early stopping at step {self.engine.global_steps}: no better {self.cfg.monitor} in "
+                f"{self.cfg.early_stopping_patience} evaluation(s) than step {best.step}'s {best.value(self.cfg.monitor):.4f}"
             )
         if self.cfg.max_steps and self.engine.global_steps >= self.cfg.max_steps:
             return f"max_steps={self.cfg.max_steps}"
@@ -406,31 +406,27 @@ class Recipe:
         )
 
     def keep(self) -> Kept:
-        """The step to export: with keep_best, the checkpoint Ray Train ranks best (of equal accuracies
-        the later), loaded into the engine where it is not the last step; else the last step."""
-        last = Kept(
-            step=self.engine.global_steps,
-            val_accuracy=self.progress.curve.validation[-1].accuracy,
-            reason="the last step (keep_best=false)",
-        )
+        """The step to export: with keep_best, the checkpoint Ray Train ranks best (of equal monitor
+        values the later), loaded into the engine where it is not the last step; else the last step."""
+        monitor, validation = self.cfg.monitor, self.progress.curve.validation
+        last = Kept(validation=validation[-1], reason="the last step (keep_best=false)")
         if not self.cfg.keep_best:
             return last
         best = max(
             ray.train.get_all_reported_checkpoints(),
             key=lambda r: (r.metrics.get(SCORE, UNVALIDATED), r.metrics["step"]),
         )
-        step, accuracy = best.metrics["step"], best.metrics.get(SCORE, UNVALIDATED)
-        if step == last.step:
+        if best.metrics["step"] == last.step:
             return last.model_copy(update={"reason": "the last step, also the best validated (keep_best)"})
-        self.pulse("loading the best checkpoint", step)
+        self.pulse("loading the best checkpoint", best.metrics["step"])
         with best.checkpoint.as_directory() as folder:
             self.engine.load_checkpoint(folder, tag="state")
         self.predictions = None  # the last step's: the best step's are taken again below
+        kept = next(point for point in validation if point.step == best.metrics["step"])
         return Kept(
-            step=step,
-            val_accuracy=accuracy,
-            reason=f"the best validated (keep_best): accuracy {accuracy:.4f}, against {last.val_accuracy:.4f} "
-            f"at the last step, {last.step}",
+            validation=kept,
+            reason=f"the best validated (keep_best): {monitor} {kept.value(monitor):.4f}, against "
+            f"{last.validation.value(monitor):.4f} at the last step, {last.step}",
         )
 
     def finish(self) -> None:
