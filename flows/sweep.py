@@ -11,7 +11,7 @@ from tasks.core.reaper import reap_on_exit
 from tasks.core.sweep_config import SweepParams
 from tasks.report.task import Stopwatch
 from tasks.report.tracking import import_beside
-from tasks.sweep.task import sweep_trials
+from tasks.sweep.task import same_search, sweep_trials
 
 
 @flow(name="sweep")
@@ -20,6 +20,7 @@ def sweep(params: SweepParams = SweepParams()) -> RunSummary:  # noqa: B008 -- a
     reap_on_exit()
     took = Stopwatch(get_run_logger())
     store = RunStore(params.storage_root, params.run_id or new_run_id())
+    same_search(params, store)  # a re-run of this id: the search it started
     ready = prepared(params, store, took)
     import_beside(params.storage_root)
     with took("sweep"):

@@ -9,6 +9,7 @@ import socket
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -206,16 +207,16 @@ def test_help_shows_every_field_with_its_description_and_params_writes_the_defau
     assert "# DeepSpeed ZeRO: 0 replicates the model" in written.stdout
 
 
-def killed_once_a_checkpoint_is_committed(args: list[str], run_dir: Path, **env: str) -> None:
-    """`ftflow <args>` SIGKILLed once its first checkpoint is committed (its rank 0 then hangs at step 15,
-    so that the kill lands in training): within 60 s none of its processes (its Prefect server, its
-    Ray's, the watcher) is left."""
-    with fault_injected(step=15, rank=0, hang_s=120):
+def killed_once_resumable(args: list[str], resumable: Callable[[], bool], step: int = 15, **env: str) -> None:
+    """`ftflow <args>` SIGKILLed once `resumable()` says a checkpoint is committed (its rank 0 then hangs
+    at `step`, so that the kill lands in training): within 60 s none of its processes (its Prefect
+    server, its Ray's, the watcher) is left."""
+    with fault_injected(step=step, rank=0, hang_s=120):
         driver = subprocess.Popen(
             [FTFLOW, *args], cwd=ROOT, env=ftflow_env(**env), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
         )
         deadline = time.monotonic() + 300
-        while not checkpoint_committed(run_dir):
+        while not resumable():
             assert driver.poll() is None and time.monotonic() < deadline, (
                 "the run ended or took too long before its first checkpoint"
             )
@@ -245,7 +246,7 @@ def test_a_run_killed_then_run_again_resumes_on_a_quiet_console_then_its_champio
     # One epoch of the tiny model learns nothing (test accuracy 0.5000): no floor, so that it becomes the champion.
     args = ["run", "--params", str(tmp_path / "params.yaml"), "--set", "run_id=killed", "--set", "train.epochs=1"]
     args += ["--set", "train.checkpoint_every_steps=10", "--set", "promotion.min_score=0"]
-    killed_once_a_checkpoint_is_committed(args, store / "runs" / "killed", **online)
+    killed_once_resumable(args, lambda: checkpoint_committed(store / "runs" / "killed"), **online)
     [killed_log] = logs.iterdir()
     assert "Beginning flow run" in killed_log.read_text()
 

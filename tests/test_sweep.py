@@ -1,14 +1,21 @@
 """The `sweep` flow on the tiny model: trials under ASHA, the best carried on, shown as it runs, in
-MLflow as a parent and its children, and continued, not run again, under the same id."""
+MLflow as a parent and its children; killed, then continued under the same id, its unfinished trial
+from its checkpoint, a worker failure in a trial survived; its finished trials not run again."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+import yaml
+from conftest import fault_injected
 from mlflow import MlflowClient
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+from ray.util.placement_group import placement_group_table
+from test_cli import killed_once_resumable
 from test_flow import params, run_artifacts
+from test_train import checkpoint_committed
 
 from flows.sweep import sweep
 from tasks.core import storage
@@ -48,16 +55,35 @@ def trial_state_times(run_dir: str) -> dict[str, float]:
     return {path.parts[-3]: path.stat().st_mtime for path in Path(run_dir, "trials").glob(f"*/model/{STATE_FILE}")}
 
 
+def killed_in_its_first_trial(searched: SweepParams, tmp_path: Path) -> None:
+    """`ftflow sweep` killed in its first trial, hung at step 6 after the checkpoint of its first
+    evaluation (step 4, a new best) and once Ray Tune has saved its experiment: none of its processes left."""
+    run_dir = Path(searched.storage_root, "runs", searched.run_id)
+    (tmp_path / "sweep.yaml").write_text(yaml.safe_dump(searched.model_dump(mode="json")))
+    killed_once_resumable(
+        ["sweep", "--params", str(tmp_path / "sweep.yaml")],
+        lambda: checkpoint_committed(run_dir, "trials/*") and any(run_dir.glob("tune/experiment_state-*.json")),
+        step=6,
+    )
+
+
 def test_a_sweep_stops_the_trailing_trials_carries_the_best_on_and_continues_by_id(tiny_model, small_data, tmp_path):
     root = str(tmp_path / "store")
-    state = sweep(sweep_params(tiny_model, small_data, root, "sweep-1"), return_state=True)
+    searched = sweep_params(tiny_model, small_data, root, "sweep-1")
+    killed_in_its_first_trial(searched, tmp_path)
+    # The same id again, rank 0 failing at step 5 of each trial (once): the killed trial resumes and
+    # survives it; a trial ASHA stops at step 4 fails too as it is stopped, and its controller's new
+    # workers' CPUs are given back all the same.
+    with fault_injected(step=5, rank=0):
+        state = sweep(searched, return_state=True)
     summary = state.result()
+    assert not [group for group in placement_group_table().values() if group["state"] != "REMOVED"]
     manifest = storage.read_json(storage.join(summary.run_dir, "manifest.json"))
-    searched = manifest["metrics"]["sweep"]
-    trials = {trial["trial_id"]: trial for trial in searched["trials"]}
+    swept = manifest["metrics"]["sweep"]
+    trials = {trial["trial_id"]: trial for trial in swept["trials"]}
     assert len(trials) == 4 and {trial["config"]["learning_rate"] for trial in trials.values()} == set(LEARNING_RATES)
     assert any(trial["status"] == "stopped early" for trial in trials.values()), trials
-    best = trials[searched["best_trial"]]
+    best = trials[swept["best_trial"]]
     finished = [trial for trial in trials.values() if trial["status"] == "finished"]
     assert best["status"] == "finished" and best["best"] == min(trial["best"] for trial in finished)
     assert best["config"]["learning_rate"] == 1e-12
@@ -67,7 +93,11 @@ def test_a_sweep_stops_the_trailing_trials_carries_the_best_on_and_continues_by_
     assert (best_model / "model.safetensors").read_bytes() == Path(
         summary.run_dir, "model", "model.safetensors"
     ).read_bytes()
-    assert manifest["metrics"]["training"]["history"][-1]["step"] == 12 and summary.test_accuracy > 0
+    training = manifest["metrics"]["training"]
+    assert training["history"][-1]["step"] == 12 and summary.test_accuracy > 0
+    # The killed trial (the first drawn, the best) went on from its checkpoint; keep_best by the sweep's metric.
+    assert training["history"][-1]["resumed_from_step"] == 4
+    assert training["kept"]["validation"]["loss"] == best["best"]
 
     report = Path(summary.run_dir, "report", "report.md").read_text()
     assert "## Sweep" in report and f"**{best['trial_id']}**" in report and "(sweep.png)" in report
@@ -84,6 +114,8 @@ def test_a_sweep_stops_the_trailing_trials_carries_the_best_on_and_continues_by_
     assert all(any(line.startswith(f"trial {trial_id}: ") for line in logs) for trial_id in trials)
     finished_line = f"trial {best['trial_id']}: 3 evaluations, finished, learning_rate 1e-12, val_loss "
     assert any(line.startswith(finished_line) for line in logs), logs
+    failed_line = f"trial {best['trial_id']}: training worker 0 failed at step 5 (training): RuntimeError: injected"
+    assert any(line.startswith(failed_line) for line in logs), logs
     assert run_artifacts(state.state_details.flow_run_id)["sweep-progress"] == 100.0
     # MLflow: the sweep's run, with a child run per trial.
     client = MlflowClient(tracking_uri(root))
@@ -95,6 +127,10 @@ def test_a_sweep_stops_the_trailing_trials_carries_the_best_on_and_continues_by_
 
     # The same id again: nothing trains again, and the same trials come back.
     written = trial_state_times(summary.run_dir)
-    again = sweep(sweep_params(tiny_model, small_data, root, "sweep-1"))
+    again = sweep(searched)
     assert trial_state_times(again.run_dir) == written and len(written) == len(finished)
-    assert storage.read_json(storage.join(again.run_dir, "manifest.json"))["metrics"]["sweep"] == searched
+    assert storage.read_json(storage.join(again.run_dir, "manifest.json"))["metrics"]["sweep"] == swept
+    # Another search under the same id: refused, before anything runs.
+    other = searched.model_copy(update={"sweep": searched.sweep.model_copy(update={"trials": 5})})
+    with pytest.raises(ValueError, match=r"^sweep\.trials: 5, but sweep sweep-1 started with 4: "):
+        sweep(other)

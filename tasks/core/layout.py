@@ -9,7 +9,7 @@ here only: by StorageRoot (the root's own) and RunStore (a run's).
     <root>/runs/<run_id>/report/report.md, *.png       the run report and its plots
     <root>/runs/<run_id>/manifest.json                 written last: no manifest, no result
     <root>/runs/<run_id>/logs/, stall/                 the console's log file; stall reports
-    <root>/runs/<run_id>/trials/<trial_id>/train|model  a sweep's trials; tune/ its Ray Tune state
+    <root>/runs/<run_id>/trials/<trial_id>/train|model  a sweep's trials; tune/ its Ray Tune state; search.json its search
     <root>/models/<name>/champion                      the promoted model's URI, swapped in one conditional write
     <root>/labels/<name>/<run_id>/                     each champion's labelling (the on-promotion deployment)
     <root>/mlflow.db, mlflow-artifacts/                MLflow's default store, for a local root
@@ -200,7 +200,19 @@ class RunStore:
 
     # Everything ftflow writes in a run's folder: a folder holding anything else is not ftflow's.
     LAYOUT = frozenset(
-        {"train", "model", "metrics.json", "predictions", "report", "manifest.json", "logs", "stall", "trials", "tune"}
+        {
+            "train",
+            "model",
+            "metrics.json",
+            "predictions",
+            "report",
+            "manifest.json",
+            "logs",
+            "stall",
+            "trials",
+            "tune",
+            "search.json",
+        }
     )
 
     def __post_init__(self) -> None:
@@ -239,6 +251,11 @@ class RunStore:
     def tune(self) -> str:
         """A sweep's Ray Tune experiment state: what a re-run of the sweep restores."""
         return join(self.base, "tune")
+
+    @property
+    def search(self) -> str:
+        """The search a sweep's id stands for (its sweep.* and train.* fields): a re-run must give the same."""
+        return join(self.base, "search.json")
 
     @property
     def train_dir(self) -> str:

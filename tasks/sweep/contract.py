@@ -7,9 +7,16 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
+from tasks.core.sweep_config import SweepConfig
+from tasks.core.train_config import TrainConfig
 from tasks.train.contract import Result
 
 Ended = Literal["pending", "running", "finished", "stopped early", "failed"]
+
+
+def searched(sweep: SweepConfig, train: TrainConfig) -> dict:
+    """The search a sweep's id stands for, as its run folder's search.json holds it."""
+    return {"sweep": sweep.model_dump(mode="json"), "train": train.model_dump(mode="json")}
 
 
 def shown(value: Any) -> str:

@@ -23,10 +23,10 @@ from tasks.core.progress import Tick, log_tick, relayed
 from tasks.core.strict import first_line
 from tasks.core.sweep_config import SweepConfig
 from tasks.core.train_config import TrainConfig
-from tasks.sweep.contract import Ended, SweepResult, TrialRecord, shown
+from tasks.sweep.contract import Ended, SweepResult, TrialRecord, searched, shown
 from tasks.sweep.trial import run_trial
 from tasks.train.contract import STATE_FILE, Result
-from tasks.train.trainer import release_placement_group
+from tasks.train.trainer import release_placement_groups
 
 TRIAL_DRIVER_MEMORY = 256 * 2**20
 RELEASE_POLL_S = 0.2
@@ -57,12 +57,12 @@ def search(
         # even a hundredth of one left Ray Data's read tasks without the CPU they wait for (the first
         # batch never came). Tune refuses an empty request: the memory its process takes, and no CPU.
         trainable = tune.with_resources(trainable, {"CPU": 0, "memory": TRIAL_DRIVER_MEMORY})
-        grid = tuner(trainable, sweep, store, logger).fit()
+        grid = tuner(trainable, sweep, train, store, logger).fit()
     trials = sorted((record(result, sweep, store) for result in grid), key=lambda trial: trial.trial_id)
     return best_of(trials, sweep, store)
 
 
-def tuner(trainable, sweep: SweepConfig, store: RunStore, logger: logging.Logger) -> tune.Tuner:
+def tuner(trainable, sweep: SweepConfig, train: TrainConfig, store: RunStore, logger: logging.Logger) -> tune.Tuner:
     """The sweep's Tuner: restored from its experiment state where an earlier attempt left one."""
     experiment, filesystem = storage.pyarrow_filesystem(store.tune)
     parent, name = experiment.rsplit("/", 1)
@@ -71,6 +71,7 @@ def tuner(trainable, sweep: SweepConfig, store: RunStore, logger: logging.Logger
         return tune.Tuner.restore(
             experiment, trainable, resume_unfinished=True, resume_errored=True, storage_filesystem=filesystem
         )
+    storage.write_json(store.search, searched(sweep, train))  # what a re-run with this id must give (task.py)
     return tune.Tuner(
         trainable,
         param_space={name: distribution.tune() for name, distribution in sweep.fields().items()},
@@ -171,7 +172,7 @@ def release_when_gone(actor, train_dir: str) -> None:
         while True:
             ray.get(actor.__ray_ready__.remote())
             time.sleep(RELEASE_POLL_S)
-    release_placement_group(train_dir)
+    release_placement_groups(train_dir)
 
 
 class TrialTable(tune.Callback):

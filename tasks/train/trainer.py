@@ -3,18 +3,26 @@ and a failed worker group's error as the worker's own exception."""
 
 from __future__ import annotations
 
+import time
+
+import ray
+from ray._private import state
 from ray._raylet import PlacementGroupID
+from ray.core.generated import gcs_pb2
 from ray.experimental import internal_kv
 from ray.train import WorkerGroupError
 from ray.train.torch import TorchTrainer
 from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
-from ray.train.v2._internal.execution.callback import WorkerGroupCallback
-from ray.util.placement_group import PlacementGroup, placement_group_table, remove_placement_group
+from ray.train.v2._internal.execution.callback import ControllerCallback
+from ray.util.placement_group import PlacementGroup, remove_placement_group
 
 from tasks.core import cluster, storage
 from tasks.train.watch import own
 
 RUN_NAME = "ray"  # Ray Train's name for a run's folder in its train_dir (RunConfig.name)
+CONTROLLERS = "ftflow-train-controllers"  # the namespace of Ray's key-value store they are noted in
+CONTROLLER_END_S = 30  # how long a controller whose owner has died may take to die with it
+POLL_S = 0.2
 
 
 def worker_exception(error: WorkerGroupError) -> BaseException:
@@ -35,7 +43,7 @@ class Trainer(TorchTrainer):
     its 12 s timeout (bench/local_fit.py). On the local Ray, ftflow's reaper (tasks/core/reaper.py)
     ends the whole Ray with its driver, placement groups included; within it, a sweep trial that Ray
     Tune stops takes its controller with it and leaves the workers' placement group reserved (Ray
-    scopes it to the job), so the group is noted (PlacementGroupNote) for the sweep to release.
+    scopes it to the job), so the controller is noted (ControllerNote) for the sweep to release its groups.
     Ray Train has no option to leave the cleaner out, hence this override of its default callbacks.
     """
 
@@ -44,31 +52,45 @@ class Trainer(TorchTrainer):
         if not cluster.local_ray():
             return callbacks
         kept = [callback for callback in callbacks if not isinstance(callback, PlacementGroupCleanerCallback)]
-        return [*kept, PlacementGroupNote(f"{self.run_config.storage_path}/{self.run_config.name}")]
+        return [*kept, ControllerNote(f"{self.run_config.storage_path}/{self.run_config.name}")]
 
 
-PLACEMENT_GROUPS = "ftflow-placement-groups"  # the namespace of Ray's key-value store they are noted in
-
-
-class PlacementGroupNote(WorkerGroupCallback):
-    """Notes the placement group of each worker group the controller starts, under the run's storage
-    path, in Ray's key-value store (the controller's own process: Ray's internal callback API)."""
+class ControllerNote(ControllerCallback):
+    """Notes the training controller's actor id under the run's storage path, in Ray's key-value store
+    (in the controller's own process: Ray's internal callback API)."""
 
     def __init__(self, run: str):
         self.run = run
 
-    def after_worker_group_start(self, worker_group) -> None:
-        group = worker_group.get_worker_group_state().placement_group_handle.placement_group
-        internal_kv._internal_kv_put(self.run, group.id.hex(), namespace=PLACEMENT_GROUPS)
+    def after_controller_start(self, train_run_context) -> None:
+        internal_kv._internal_kv_put(self.run, ray.get_runtime_context().get_actor_id(), namespace=CONTROLLERS)
 
 
-def release_placement_group(train_dir: str) -> None:
-    """Remove the placement group noted for the training run in train_dir, if it is still there: what
-    the cleaner would have done once its controller died."""
+def release_placement_groups(train_dir: str) -> None:
+    """Once the training run's controller (noted by ControllerNote) has died, remove every placement
+    group it created that is still there: what the cleaner would have done. By creator, not by the
+    group last noted: a worker failure just before a sweep trial was stopped made its controller
+    reserve a new group and die before it could say so; the group then held the CPUs the next trial
+    waited for, for good."""
     storage_path, _ = storage.pyarrow_filesystem(train_dir)
-    noted = internal_kv._internal_kv_get(f"{storage_path}/{RUN_NAME}", namespace=PLACEMENT_GROUPS)
+    noted = internal_kv._internal_kv_get(f"{storage_path}/{RUN_NAME}", namespace=CONTROLLERS)
     if noted is None:
         return
-    group = PlacementGroup(PlacementGroupID(bytes.fromhex(noted.decode())))
-    if placement_group_table(group).get("state") not in (None, "REMOVED"):
+    controller = noted.decode()
+    deadline = time.monotonic() + CONTROLLER_END_S
+    while state.actors(actor_id=controller).get("State") != "DEAD" and time.monotonic() < deadline:
+        time.sleep(POLL_S)
+    for group in created_by(controller):
         remove_placement_group(group)
+
+
+def created_by(actor_id: str) -> list[PlacementGroup]:
+    """The placement groups an actor created that Ray has not removed: from the GCS's table, whose
+    creator fields the public placement_group_table() leaves out."""
+    table = state.state._connect_and_get_accessor().get_placement_group_table()
+    groups = [gcs_pb2.PlacementGroupTableData.FromString(raw) for raw in table]
+    return [
+        PlacementGroup(PlacementGroupID(group.placement_group_id))
+        for group in groups
+        if group.creator_actor_id.hex() == actor_id and group.state != gcs_pb2.PlacementGroupTableData.REMOVED
+    ]

@@ -70,11 +70,18 @@ class FailureRelay(UserCallback):
     latest checkpoint, whose step the reports it commits carry (tasks/train/worker.py `save`)."""
 
     def __init__(self, channel: str, max_failures: int):
-        self.channel, self.attempts, self.failures, self.checkpoint_step = channel, max_failures + 1, 0, 0
+        self.channel, self.attempts, self.failures = channel, max_failures + 1, 0
+        # None until this controller commits one: a resumed run's latest is from before it started
+        self.checkpoint_step: int | None = None
 
     def after_report(self, run_context, metrics: list[dict], checkpoint) -> None:
         if checkpoint is not None and metrics:
-            self.checkpoint_step = int(metrics[0].get("step", self.checkpoint_step))
+            self.checkpoint_step = int(metrics[0]["step"])
+
+    def resumed_from(self) -> str:
+        if self.checkpoint_step is not None:
+            return f"step {self.checkpoint_step}"
+        return "an earlier attempt's latest checkpoint, or step 0 if it left none"
 
     def after_exception(self, run_context, worker_exceptions: dict[int, Exception]) -> None:
         self.failures += 1
@@ -82,7 +89,7 @@ class FailureRelay(UserCallback):
         last = last_beat(self.channel, rank)
         where = f" at step {last.step} ({last.phase})" if last else ""
         then = (
-            f"retrying from step {self.checkpoint_step}, attempt {self.failures + 1} of {self.attempts}"
+            f"retrying from {self.resumed_from()}, attempt {self.failures + 1} of {self.attempts}"
             if self.failures < self.attempts
             else f"no attempt left of {self.attempts}: training fails"
         )
