@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import pytest
+import yaml
 from pydantic import ValidationError
 from transformers import BertConfig, DistilBertConfig
 
 from tasks.core.cluster import Resources
 from tasks.core.config import ModelConfig
+from tasks.core.sweep_config import SweepParams
 from tasks.core.train_config import TrainConfig
 from tasks.train.deepspeed_config import deepspeed_config
 from tasks.train.plan import check_parallelism, plan
@@ -216,3 +218,12 @@ def test_a_model_folder_given_relative_is_passed_on_absolute(tiny_model, monkeyp
     monkeypatch.chdir(tiny_model.parent)
     assert ModelConfig(name_or_path=tiny_model.name).name_or_path == str(tiny_model)
     assert ModelConfig(name_or_path="bert-base-uncased").name_or_path == "bert-base-uncased"
+
+
+def test_a_sweeps_choices_are_the_values_the_field_holds():
+    """YAML reads 1e-4 as the string "1e-4": the search draws the number TrainConfig takes, so the
+    trials' table and plot get numbers (a string among them broke the report's plot)."""
+    choice = yaml.safe_load("{choice: [1e-4, 0.05]}")
+    assert choice["choice"][0] == "1e-4"
+    searched = SweepParams.model_validate({"sweep": {"space": {"train.learning_rate": choice}}})
+    assert searched.sweep.fields()["learning_rate"].choice == [1e-4, 0.05]

@@ -128,11 +128,16 @@ class SweepParams(FinetuneParams):
         check tries is one TrainConfig takes with the run's other train.* fields."""
         base = self.train.model_dump()
         for name, distribution in self.sweep.fields().items():
+            taken = []
             for point in distribution.points():
                 try:
-                    TrainConfig.model_validate({**base, name: point})
+                    taken.append(getattr(TrainConfig.model_validate({**base, name: point}), name))
                 except ValidationError as error:
                     raise ValueError(f"sweep.space.train.{name}: {point!r}: {one_line(error)}") from None
+            if distribution.choice is not None:
+                # as the field holds them: YAML reads 1e-4 as the string "1e-4" (1.0e-4 is a float), which
+                # TrainConfig takes as a number, but the trials' table and plot got a string
+                distribution.choice = taken
         return self
 
     @model_validator(mode="after")
