@@ -125,7 +125,8 @@ class SweepParams(FinetuneParams):
     @model_validator(mode="after")
     def _space_fits_training(self) -> SweepParams:
         """Every searched field is a train.* field (the closest named where not), and every point the
-        check tries is one TrainConfig takes with the run's other train.* fields."""
+        check tries is one TrainConfig takes with the run's other train.* fields; a choice's values are
+        then held as TrainConfig holds them."""
         base = self.train.model_dump()
         for name, distribution in self.sweep.fields().items():
             taken = []

@@ -416,13 +416,14 @@ class Recipe:
             ray.train.get_all_reported_checkpoints(),
             key=lambda r: (r.metrics.get(SCORE, UNVALIDATED), r.metrics["step"]),
         )
-        if best.metrics["step"] == last.step:
+        step = best.metrics["step"]
+        if step == last.step:
             return last.model_copy(update={"reason": "the last step, also the best validated (keep_best)"})
-        self.pulse("loading the best checkpoint", best.metrics["step"])
+        self.pulse("loading the best checkpoint", step)
         with best.checkpoint.as_directory() as folder:
             self.engine.load_checkpoint(folder, tag="state")
         self.predictions = None  # the last step's: the best step's are taken again below
-        kept = next(point for point in validation if point.step == best.metrics["step"])
+        kept = next(point for point in validation if point.step == step)
         return Kept(
             validation=kept,
             reason=f"the best validated (keep_best): {monitor} {kept.value(monitor):.4f}, against "
