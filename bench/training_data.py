@@ -38,12 +38,11 @@ from tasks.core.config import DataConfig, ModelConfig  # noqa: E402
 from tasks.core.data import load_splits  # noqa: E402
 from tasks.core.layout import RunStore  # noqa: E402
 from tasks.core.train_config import TrainConfig  # noqa: E402
-from tasks.tokenize.contract import SHARD_SCHEMA  # noqa: E402
+from tasks.tokenize.contract import shard_schema  # noqa: E402
 from tasks.tokenize.driver import load_tokenizer, tokenize_key  # noqa: E402
 from tasks.tokenize.task import tokenize  # noqa: E402
 from tasks.train.task import train  # noqa: E402
 
-LABELS = ["negative", "positive"]
 GROUP_ROWS = 10_000
 
 
@@ -112,7 +111,8 @@ def corpus(tokenized: dict[str, str], rows: int, folder: Path) -> dict[str, str]
     base = pq.read_table(tokenized["train"]).sort_by("row")
     target = folder / f"train-{rows}"
     target.mkdir(parents=True)
-    with pq.ParquetWriter(target / "bench_00000.parquet", SHARD_SCHEMA) as out:
+    schema = shard_schema(DataConfig().targets)
+    with pq.ParquetWriter(target / "bench_00000.parquet", schema) as out:
         for start in range(0, rows, GROUP_ROWS):
             count = min(GROUP_ROWS, rows - start)
             picked = base.take(np.arange(start, start + count) % base.num_rows)
@@ -123,7 +123,7 @@ def corpus(tokenized: dict[str, str], rows: int, folder: Path) -> dict[str, str]
                         "label": picked["label"],
                         "input_ids": picked["input_ids"],
                     },
-                    schema=SHARD_SCHEMA,
+                    schema=schema,
                 )
             )
     return {"train": str(target), "validation": tokenized["validation"]}
@@ -135,7 +135,7 @@ def run(uris: dict, model: str, max_length: int, steps: int, streamed: bool, fol
     cfg = TrainConfig(batch_size=32, num_workers=2, max_steps=steps, eval_every_steps=0, length_group_batches=1)
     started = time.perf_counter()
     row = train.fn(
-        uris, ModelConfig(name_or_path=model, max_length=max_length), LABELS, cfg, RunStore.at(folder)
+        uris, ModelConfig(name_or_path=model, max_length=max_length), DataConfig().targets, cfg, RunStore.at(folder)
     ).history[-1]
     return {
         "samples_per_s": row.samples_per_s,

@@ -111,8 +111,8 @@ def launched(flow_name: str, params: FinetuneParams, verbose: bool) -> None:
         api_answering()
         summary = flow(params)
         say.result(
-            {
-                "test accuracy": f"{summary.test_accuracy:.4f}",
+            {f"test {name.replace('_', ' ')}": f"{value:.4f}" for name, value in summary.test.items()}
+            | {
                 "promoted": "yes" if summary.promoted else "no",
                 "run id": summary.run_id,
                 "artifacts": summary.run_dir,

@@ -13,7 +13,7 @@ from tasks.core.config import FinetuneParams
 from tasks.core.layout import RunStore, refuse_overlap
 from tasks.core.progress import RUN_DIR
 from tasks.core.reaper import reap_on_exit
-from tasks.evaluate.contract import Metrics
+from tasks.evaluate.contract import AnyMetrics
 from tasks.evaluate.task import evaluate
 from tasks.infer.task import predict_files, write_test_labels
 from tasks.promote.task import promote
@@ -36,8 +36,8 @@ class RunSummary(BaseModel):
     run_id: str
     run_dir: str
     report: str
-    test_accuracy: float
-    metrics: Metrics
+    test: dict[str, float]  # the task's scores on the test split (accuracy and macro_f1 for single_label)
+    metrics: AnyMetrics
     promoted: bool
 
 
@@ -59,7 +59,7 @@ def finetune(params: FinetuneParams = FinetuneParams()) -> RunSummary:
     import_beside(params.storage_root)  # MLflow's, for track() at the end
     with took("train"):
         training = train.with_options(timeout_seconds=params.train.timeout_s)(
-            ready.tokenized, params.model, params.data.label_names, params.train, store, params.ray_address
+            ready.tokenized, params.model, params.data.targets, params.train, store, params.ray_address
         )
     return concluded(params, store, ready, Trained(result=training), took)
 
@@ -94,7 +94,7 @@ def prepared(params: FinetuneParams, store: RunStore, took: Stopwatch) -> Prepar
         {"storage_root": [params.storage_root], **inputs.by_field()}, params.storage_shared, params.ray_address
     )
     # The plan against the cluster, before tokenizing.
-    check_training_plan(params.model, params.data.label_names, params.train, params.ray_address)
+    check_training_plan(params.model, params.data.targets, params.train, params.ray_address)
     took.mark("cluster ready")
     took.logger.info("run %s in %s", store.run_id, store.base, extra={RUN_DIR: store.base})
     with took("tokenize"):
@@ -111,13 +111,13 @@ def concluded(
     and MLflow."""
     inputs, training = ready.inputs, trained.result
     with took("evaluate"):
-        metrics = evaluate(store, inputs.splits["test"], training.test)
+        metrics = evaluate(store, inputs.splits, training)
     with took("promote"):
         promotion = promote(store, metrics, inputs.splits["test"], params.promotion, params.ray_address)
     with took("batch inference"):
         if inputs.labels_test_split:  # the rows training labelled for evaluation: no model to load again
             predictions = write_test_labels(
-                training.test, inputs.splits["test"], store.model_dir, inputs.inference, store.predictions
+                training, inputs.splits["test"], store.model_dir, inputs.inference, store.predictions
             )
         else:
             predictions = predict_files.with_options(timeout_seconds=inputs.inference.timeout_s)(
@@ -150,7 +150,7 @@ def concluded(
         run_id=store.run_id,
         run_dir=store.base,
         report=store.report_md,
-        test_accuracy=metrics.accuracy,
+        test=metrics.scores(),
         metrics=metrics,
         promoted=promotion.promoted,
     )

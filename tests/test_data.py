@@ -8,6 +8,7 @@ import hashlib
 import pandas as pd
 import pytest
 from conftest import BUCKET, write_jsonl
+from pydantic import ValidationError
 
 from tasks.core import data, storage
 from tasks.core.config import DataConfig, InferenceConfig
@@ -113,7 +114,7 @@ def mixed_split(folder, rows: list[dict]) -> tuple[list[str], pd.DataFrame]:
     for path, start in zip(paths, range(0, len(rows), quarter), strict=True):
         piece = pd.DataFrame(rows[start : start + quarter])
         if path.suffix == ".parquet":
-            piece["label"] = piece["label"].map(dict(enumerate(DataConfig().label_names)))
+            piece["label"] = piece["label"].map(dict(enumerate(DataConfig().targets.names)))
         path.parent.mkdir(parents=True, exist_ok=True)
         write(piece, path, path.suffix[1:])
     return [str(folder / "dir"), str(folder / "extra" / "*.tsv")], pd.DataFrame(rows)
@@ -263,3 +264,93 @@ def test_files_to_label_without_the_text_or_id_column_are_refused(tmp_path):
     assert files_to_label(InferenceConfig(input_uri=str(tmp_path / "corpus"), text_column="body", id_column="doc")) == [
         str(path)
     ]
+
+
+EMOTIONS = ["joy", "anger", "fear"]
+
+
+def test_multi_label_rows_read_as_lists_of_names_or_ids_or_separated_strings(tmp_path):
+    listed = write_jsonl(
+        tmp_path / "listed.jsonl",
+        [{"text": "a", "tags": ["joy", "fear"]}, {"text": "b", "tags": []}, {"text": "c", "tags": [1]}],
+    )
+    cfg = DataConfig(task="multi_label", label_column="tags", label_names=EMOTIONS)
+    split = load_split("train", str(listed), cfg)
+    assert rows_of(split)["label"].tolist() == [[1.0, 0.0, 1.0], [0.0, 0.0, 0.0], [0.0, 1.0, 0.0]]
+    assert split.tally.sums == (1.0, 1.0, 1.0) and split.tally.labels_per_row == 2.0
+
+    separated = write(
+        pd.DataFrame({"text": ["a", "b", "c"], "tags": ["joy,fear", "", "anger"]}), tmp_path / "s.csv", "csv"
+    )
+    cfg = cfg.model_copy(update={"label_separator": ","})
+    assert rows_of(load_split("train", str(separated), cfg))["label"].tolist() == rows_of(split)["label"].tolist()
+
+
+def test_regression_targets_read_as_numbers_one_output_per_column(tmp_path):
+    path = write(
+        pd.DataFrame({"text": ["a", "b"], "valence": ["3.5", "1"], "arousal": [2, 4.25]}), tmp_path / "t.csv", "csv"
+    )
+    cfg = DataConfig(task="regression", label_column=["valence", "arousal"])
+    split = load_split("train", str(path), cfg)
+    assert rows_of(split)["label"].tolist() == [[3.5, 2.0], [1.0, 4.25]]
+    assert split.tally.means == (2.25, 3.125) and cfg.targets.names == ("valence", "arousal")
+
+
+TASK_INPUTS = {
+    "unknown label name": (
+        {"task": "multi_label", "label_names": EMOTIONS},
+        [{"text": "a", "label": ["joy"]}, {"text": "b", "label": ["joy", "glee"]}],
+        "column 'label' has labels outside ['joy', 'anger', 'fear'] (or ids 0..2): ['joy', 'glee'] at rows [1]",
+    ),
+    "separator that splits nothing": (
+        {"task": "multi_label", "label_names": ["joy", "joy;fear"], "label_separator": ","},
+        [{"text": "a", "label": "joy"}, {"text": "b", "label": "joy;fear"}],
+        "data.label_separator ',' splits no row of column 'label' into several labels",
+    ),
+    "non-numeric target": (
+        {"task": "regression"},
+        [{"text": "a", "label": 1.5}, {"text": "b", "label": "high"}],
+        "column 'label' has values that are not finite numbers: 'high' at rows [1]",
+    ),
+    "NaN target": (
+        {"task": "regression", "format": "csv"},
+        "text,label\na,1.5\nb,nan\n",
+        "column 'label' has values that are not finite numbers: 'nan' at rows [1]",
+    ),
+    "infinite target": (
+        {"task": "regression", "format": "csv"},
+        "text,label\na,1.5\nb,inf\n",
+        "column 'label' has values that are not finite numbers: 'inf' at rows [1]",
+    ),
+    "constant target": (
+        {"task": "regression"},
+        [{"text": "a", "label": 2}, {"text": "b", "label": 2.0}],
+        "column 'label' is constant (2) in the training split: nothing to learn",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", TASK_INPUTS)
+def test_bad_targets_name_the_file_and_problem(tmp_path, case):
+    fields, rows, message = TASK_INPUTS[case]
+    path = tmp_path / "train.jsonl"
+    path.write_text(rows) if isinstance(rows, str) else write_jsonl(path, rows)
+    cfg = DataConfig(**fields, train_uri=str(path), validation_uri=str(path), test_uri=str(path))
+    with pytest.raises(DataError) as err:
+        load_splits(cfg)
+    assert str(err.value) == f"{path}: {message}"
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"task": "regression", "label_names": ["a", "b"]}, "label_names: regression predicts numbers"),
+        ({"task": "multi_label"}, "label_names: multi_label needs its label names"),
+        ({"label_names": ["only"]}, "label_names: give at least two classes"),
+        ({"label_column": ["a", "b"]}, "label_column: several columns are regression's outputs"),
+        ({"label_separator": ","}, "label_separator: only multi_label splits labels, not single_label"),
+    ],
+)
+def test_a_task_that_does_not_fit_its_label_fields_is_refused(fields, message):
+    with pytest.raises(ValidationError, match=message):
+        DataConfig(**fields)

@@ -109,7 +109,8 @@ def check_run(run_dir: str, test_accuracy: float, data: dict) -> dict:
     # The test split's labels are those the trained engine gave it for evaluation: the exported model's own.
     in_order = predictions.set_index("id").loc[[f"test.jsonl:{i}" for i in range(128)]]
     predictor = Predictor(storage.join(run_dir, "model"), batch_size=64)
-    labels, scores = predictor.predict(in_order["text"].tolist())
+    probabilities = predictor.outputs(in_order["text"].tolist())
+    labels, scores = probabilities.argmax(1), probabilities.max(1)
     clear = np.abs(scores - 0.5) > 1e-4  # only a tie within rounding noise may flip
     assert (np.asarray(predictor.label_names)[labels] == in_order["label"].to_numpy())[clear].all()
     assert np.allclose(scores, in_order["score"], atol=1e-4)
@@ -173,7 +174,7 @@ def test_finetune_on_local_storage(local_run, small_data):
     summary = state.result()
     assert any(lines and 0 < percent < 100 for lines, [percent] in seen), f"nothing live while training ran: {seen}"
     assert Path(summary.run_dir).parent == Path(run_params.storage_root) / "runs"
-    check_run(summary.run_dir, summary.test_accuracy, small_data)
+    check_run(summary.run_dir, summary.test["accuracy"], small_data)
     artifacts = run_artifacts(state.state_details.flow_run_id)
     assert {"test-metrics", "confusion-matrix", "promotion", "run-metrics"} <= set(artifacts)
     # The UI's copy of the report carries its two plots inline: the UI cannot read the store.
@@ -200,7 +201,7 @@ def test_finetune_on_s3_survives_faults_and_leaks_no_credential(faulty_s3, tiny_
     state = finetune(params(tiny_model, s3_data, root), return_state=True)
     summary = state.result()
     assert summary.run_dir.startswith(f"{root}/runs/")
-    manifest = check_run(summary.run_dir, summary.test_accuracy, s3_data)
+    manifest = check_run(summary.run_dir, summary.test["accuracy"], s3_data)
     assert manifest["outputs"]["model"] == f"{summary.run_dir}/model"
     counts = faulty_s3()
     assert counts["InternalError"] and counts["SlowDown"] and counts["dropped"], counts
@@ -291,7 +292,7 @@ def test_a_flow_run_that_fails_mid_training_is_retried_and_resumes_in_the_same_r
             "the flow run failed once, then was retried"
         )
     [run_dir] = (tmp_path / "store" / "runs").iterdir()
-    manifest = check_run(str(run_dir), state.result().test_accuracy, small_data)
+    manifest = check_run(str(run_dir), state.result().test["accuracy"], small_data)
     assert manifest["metrics"]["training"]["history"][-1]["resumed_from_step"] > 0, "the retry trained from step 0"
 
 
@@ -333,3 +334,63 @@ def test_a_timeout_that_lands_inside_ray_reads_as_the_timeout(ray_cluster):
     with pytest.raises(TimeoutError, match="timed out after 1"):
         stage_task()
     assert time.monotonic() - started < 10
+
+
+# Multi-label through a pipeline (its loss function gets the labels with the real rows' positions),
+# regression of two outputs through tensor parallelism (its workers join their float targets).
+TASK_RUNS = {
+    "multi_label": {"pipeline_parallel_size": 2, "max_steps": 24},
+    "regression": {"tensor_parallel_size": 2, "max_steps": 64},
+}
+
+
+@pytest.mark.parametrize("task", TASK_RUNS)
+def test_finetune_of_another_task_trains_on_its_loss_and_writes_what_the_task_means(
+    task, task_data, tiny_model, tmp_path
+):
+    """Trained on transformers' loss for the task, through a model-parallel strategy; evaluated, gated
+    and reported with the task's metrics; its predictions written as the task means them, the exported
+    model's own (its thresholds with it)."""
+    data = DataConfig(**task_data[task])
+    run = FinetuneParams(
+        data=data,
+        model=ModelConfig(name_or_path=str(tiny_model), max_length=64),
+        train=TrainConfig(epochs=1, batch_size=16, learning_rate=2e-3, num_workers=2, **TASK_RUNS[task]),
+        storage_root=str(tmp_path / "store"),
+    )
+    summary = finetune(run)
+    manifest = storage.read_json(storage.join(summary.run_dir, "manifest.json"))
+    metrics, training = (
+        manifest["metrics"]["test"],
+        storage.read_json(storage.join(summary.run_dir, "model", "training_state.json")),
+    )
+    assert metrics["task"] == task and summary.test == {name: metrics[name] for name in summary.test}
+    first, last = training["curve"]["train"][0], training["curve"]["train"][-1]
+    assert last["loss"] < 0.95 * first["loss"], f"training loss {first['loss']:.4f} -> {last['loss']:.4f}"
+
+    predictor = Predictor(storage.join(summary.run_dir, "model"), batch_size=64)
+    assert predictor.targets == data.targets
+    written = pq.read_table(storage.join(summary.run_dir, "predictions")).to_pandas().set_index("id")
+    written = written.loc[[f"test.jsonl:{i}" for i in range(128)]]
+    outputs = predictor.outputs(written["text"].tolist())
+    if task == "multi_label":
+        assert predictor.thresholds == training["thresholds"] and len(predictor.thresholds) == 3
+        assert np.allclose(np.stack(written["scores"]), outputs, atol=1e-4)
+        decided = [
+            [name for name, p, t in zip(data.label_names, row, predictor.thresholds, strict=True) if p >= t]
+            for row in outputs
+        ]
+        clear = (np.abs(outputs - np.asarray(predictor.thresholds)) > 1e-4).all(1)
+        assert [list(labels) for labels in written["labels"][clear]] == [
+            d for d, c in zip(decided, clear, strict=True) if c
+        ]
+        assert {"micro_f1", "macro_f1", "subset_accuracy"} <= set(metrics) and len(metrics["labels"]) == 3
+        floor, plot = "giving each label to every row or to none, as most training rows have it or not", "labels.png"
+    else:
+        assert np.allclose(written[["stars", "words"]].to_numpy(), outputs, atol=1e-4)
+        assert [output["name"] for output in metrics["outputs"]] == ["stars", "words"]
+        assert metrics["outputs"][1]["pearson"] > 0.3, f"the tiny model learns the length of a text: {metrics}"
+        floor, plot = "predicting the training split's mean", "predicted-vs-true.png"
+    assert floor in manifest["metrics"]["promotion"]["floor"]
+    report = Path(summary.run_dir, "report", "report.md").read_text()
+    assert f"]({plot})" in report and Path(summary.run_dir, "report", plot).stat().st_size > 10_000

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import tempfile
 
+import numpy as np
 from conftest import BUCKET
 
 from tasks.core import storage
@@ -14,6 +15,6 @@ def test_a_model_in_s3_labels_texts_and_its_download_is_removed(s3_endpoint, tin
     uri = f"s3://{BUCKET}/predictor-test/model"
     storage.upload_dir(tiny_model, uri)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the download goes
-    labels, scores = Predictor(uri, batch_size=8).predict(["a fine film", "a dull film", "great"])
-    assert len(labels) == 3 and ((0 <= labels) & (labels <= 1)).all() and ((0.5 <= scores) & (scores <= 1)).all()
+    probabilities = Predictor(uri, batch_size=8).outputs(["a fine film", "a dull film", "great"])
+    assert probabilities.shape == (3, 2) and np.allclose(probabilities.sum(1), 1) and (probabilities > 0).all()
     assert list(tmp_path.iterdir()) == [], "the model's download was left behind"

@@ -34,7 +34,7 @@ from tasks.promote.task import Decision, promote
 from tasks.report.manifest import Results
 from tasks.report.task import summary as report_summary
 from tasks.report.tracking import track
-from tasks.train.contract import Curve, EpochRecord, Result
+from tasks.train.contract import Curve, EpochRecord, Predictions, Result
 
 
 def test_a_model_that_loses_leaves_the_champion_untouched(local_run, tmp_path):
@@ -51,7 +51,9 @@ def test_a_model_that_loses_leaves_the_champion_untouched(local_run, tmp_path):
     assert not second.promoted
     assert storage.filesystem(pointer)[0].cat_file(pointer) == before, "the champion pointer changed"
     decision = storage.read_json(storage.join(second.run_dir, "manifest.json"))["metrics"]["promotion"]
-    assert decision["champion"] == pytest.approx(first.test_accuracy), "the champion is scored on the same test split"
+    assert decision["champion"] == pytest.approx(first.test["accuracy"]), (
+        "the champion is scored on the same test split"
+    )
     assert "< the champion's" in decision["reason"] and decision["previous_champion_uri"] == f"{first.run_dir}/model"
     report = (Path(root) / "runs" / second.run_id / "report" / "report.md").read_text()
     assert f"Promotion: **not promoted: `sentiment`'s champion is unchanged** ({decision['reason']})" in report
@@ -65,7 +67,8 @@ def test_a_model_that_loses_leaves_the_champion_untouched(local_run, tmp_path):
     for summary, promoted in ((first, "true"), (second, "false")):
         run = runs[summary.run_id]
         assert (
-            run.data.metrics["test_accuracy"] == summary.test_accuracy and run.data.tags["ftflow.promoted"] == promoted
+            run.data.metrics["test_accuracy"] == summary.test["accuracy"]
+            and run.data.tags["ftflow.promoted"] == promoted
         )
         assert run.data.tags["ftflow.model_uri"] == f"{summary.run_dir}/model" and run.data.params[
             "promotion.margin"
@@ -145,7 +148,7 @@ def scored(accuracy: float) -> Metrics:
 def one_class_model(model: Path, folder: Path) -> Path:
     """The model, with a classifier that says 'negative' whatever the text."""
     one_class = AutoModelForSequenceClassification.from_pretrained(
-        model, id2label=dict(enumerate(DataConfig().label_names))
+        model, id2label=dict(enumerate(DataConfig().targets.names))
     )
     with torch.no_grad():
         one_class.classifier.weight.zero_()
@@ -251,7 +254,7 @@ def test_an_unreachable_tracking_server_is_a_warning_not_a_failure(tmp_path, mon
             previous_champion_uri=None,
             pointer="p",
         ),
-        training=Result(history=[epoch], curve=Curve(), validation_predictions=[], nodes=[]),
+        training=Result(history=[epoch], curve=Curve(), validation=Predictions(), nodes=[]),
     )
 
     @flow

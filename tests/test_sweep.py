@@ -94,7 +94,7 @@ def test_a_sweep_stops_the_trailing_trials_carries_the_best_on_and_continues_by_
         summary.run_dir, "model", "model.safetensors"
     ).read_bytes()
     training = manifest["metrics"]["training"]
-    assert training["history"][-1]["step"] == 12 and summary.test_accuracy > 0
+    assert training["history"][-1]["step"] == 12 and summary.test["accuracy"] > 0
     # The killed trial (the first drawn, the best) went on from its checkpoint; keep_best by the sweep's metric.
     assert training["history"][-1]["resumed_from_step"] == 4
     assert training["kept"]["validation"]["loss"] == best["best"]

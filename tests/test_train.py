@@ -24,6 +24,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 from tasks.core.config import DataConfig, ModelConfig
 from tasks.core.data import load_splits
 from tasks.core.layout import RunStore
+from tasks.core.targets import Targets
 from tasks.core.text import padded
 from tasks.core.train_config import TrainConfig
 from tasks.tokenize.driver import load_tokenizer, tokenize_key
@@ -69,7 +70,7 @@ def assert_model_is_the_trained_engine(model_dir: Path, uris: dict, val_accuracy
     """The exported folder is complete, reloads, and predicts the validation split as the engine did,
     at the validation accuracy the engine had at the step exported."""
     assert {"config.json", "model.safetensors", "tokenizer.json", STATE_FILE} <= {p.name for p in model_dir.iterdir()}
-    engine_predictions = json.loads((model_dir / STATE_FILE).read_text())["validation_predictions"]
+    engine_predictions = json.loads((model_dir / STATE_FILE).read_text())["validation"]["labels"]
     rows = validation_rows(uris["validation"])
     logits = logits_of(model_dir, rows)
     reloaded = logits.argmax(-1).tolist()
@@ -82,7 +83,8 @@ def assert_model_is_the_trained_engine(model_dir: Path, uris: dict, val_accuracy
 
 
 def fit(uris: dict, model: Path, cfg: TrainConfig, run_dir: Path | str) -> Result:
-    return train(uris, ModelConfig(name_or_path=str(model), max_length=64), LABELS, cfg, RunStore.at(str(run_dir)))
+    targets = Targets(names=tuple(LABELS))
+    return train(uris, ModelConfig(name_or_path=str(model), max_length=64), targets, cfg, RunStore.at(str(run_dir)))
 
 
 STRATEGIES = {
@@ -394,6 +396,7 @@ import ray
 from ray.cluster_utils import Cluster
 from tasks.core.config import ModelConfig, TrainConfig
 from tasks.core.layout import RunStore
+from tasks.core.targets import Targets
 from tasks.train.driver import fit
 tokenized, model, cfg, run_dir = json.loads(sys.argv[1]), sys.argv[2], TrainConfig.model_validate_json(sys.argv[3]), sys.argv[4]
 cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})

@@ -11,15 +11,17 @@ from importlib.util import find_spec
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, Field, field_validator
+from pydantic import AfterValidator, Field, field_validator, model_validator
 
 from tasks.core.layout import safe_name
 from tasks.core.strict import DEVICE, Device, Strict
+from tasks.core.targets import LOWER_IS_BETTER, METRICS, Targets, Task
 from tasks.core.train_config import TrainConfig
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 SHIPPED_DATA = PROJECT_ROOT / "data" / "rotten_tomatoes"
 HUB_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
+SHIPPED_LABELS = ("negative", "positive")  # the shipped reviews' classes, in id order
 
 
 def default_model() -> str:
@@ -50,26 +52,67 @@ SPLIT_INPUTS = (
 
 
 class DataConfig(Strict):
-    """Where the labelled splits are and how to read them."""
+    """Where the labelled splits are, how to read them, and what a row's target is (`task`)."""
 
     train_uri: SplitInputs = Field(str(SHIPPED_DATA / "train.jsonl"), description=SPLIT_INPUTS)
     validation_uri: SplitInputs = Field(str(SHIPPED_DATA / "validation.jsonl"), description=SPLIT_INPUTS)
     test_uri: SplitInputs = Field(str(SHIPPED_DATA / "test.jsonl"), description=SPLIT_INPUTS)
     format: DataFormat = Field("auto", description="File format; 'auto' goes by the file extension.")
+    task: Task = Field(
+        "single_label",
+        description="single_label: one class per text; multi_label: any number of labels per text, none "
+        "included; regression: a number per text (per label column).",
+    )
     text_column: str = "text"
-    label_column: str = "label"
-    label_names: list[str] = Field(
-        ["negative", "positive"],
-        min_length=2,
-        description="Class names in id order. Labels in the data may be these names or their ids.",
+    label_column: str | list[str] = Field(
+        "label", description="The column holding the target; regression may name several, one output each."
+    )
+    label_names: list[str] | None = Field(
+        None,
+        description="Class (single_label) or label (multi_label) names in id order; labels in the data may be "
+        "these names or their ids. Default: negative, positive (the shipped reviews). Unset for regression.",
+    )
+    label_separator: str | None = Field(
+        None, description="multi_label: labels written in one string, split by this (e.g. ','); default: lists."
     )
 
     @field_validator("label_names")
     @classmethod
-    def _distinct(cls, names: list[str]) -> list[str]:
-        if len(set(names)) != len(names):
+    def _distinct(cls, names: list[str] | None) -> list[str] | None:
+        if names is not None and len(set(names)) != len(names):
             raise ValueError(f"label_names must be distinct, got {names}")
         return names
+
+    @model_validator(mode="after")
+    def _fits_task(self) -> DataConfig:
+        """The label fields the task reads, and no other: each message names the field."""
+        several, task = not isinstance(self.label_column, str), self.task
+        problems = [
+            (several and task != "regression", "label_column: several columns are regression's outputs"),
+            (several and not self.label_column, "label_column: give at least one column"),
+            (
+                task == "regression" and self.label_names is not None,
+                "label_names: regression predicts numbers, named by data.label_column; leave it unset",
+            ),
+            (task == "multi_label" and not self.label_names, "label_names: multi_label needs its label names"),
+            (task == "single_label" and len(self.targets.names) < 2, "label_names: give at least two classes"),
+            (
+                self.label_separator is not None and task != "multi_label",
+                f"label_separator: only multi_label splits labels, not {task}",
+            ),
+            (self.label_separator == "", "label_separator: an empty separator splits nothing"),
+        ]
+        problem = next((message for found, message in problems if found), None)
+        if problem:
+            raise ValueError(problem)
+        return self
+
+    @property
+    def targets(self) -> Targets:
+        if self.task == "regression":
+            columns = [self.label_column] if isinstance(self.label_column, str) else self.label_column
+            return Targets(task="regression", names=tuple(columns))
+        return Targets(task=self.task, names=tuple(self.label_names or SHIPPED_LABELS))
 
 
 class ModelConfig(Strict):
@@ -85,6 +128,7 @@ class ModelConfig(Strict):
         return str(folder.resolve()) if folder.is_dir() else name_or_path
 
 
+PromotionMetric = Literal["accuracy", "macro_f1", "micro_f1", "subset_accuracy", "mse", "mae", "pearson", "spearman"]
 InferencePrecision = Literal["auto", "fp32", "bf16"]
 INFERENCE_PRECISION = (
     "auto: bf16 on GPU, fp32 on CPU. bf16 on a CPU trades exactness for speed: a label may change where "
@@ -132,20 +176,36 @@ class PromotionConfig(Strict):
         "sentiment",
         description="Registry entry: <storage_root>/models/<name>/champion; batch_infer takes models/<name>@champion.",
     )
-    metric: Literal["accuracy", "macro_f1"] = Field(
-        "accuracy", description="Test metric compared with the champion's, on the same test split."
+    metric: PromotionMetric | None = Field(
+        None,
+        description="Test metric compared with the champion's, on the same test split: accuracy or macro_f1 "
+        "(single_label), micro_f1, macro_f1 or subset_accuracy (multi_label), mse, mae, pearson or spearman "
+        "(regression). Default: the task's first.",
     )
     margin: float = Field(
-        0.0, ge=-1, le=1, description="Promote when metric >= champion's + margin (negative: accept a small loss)."
+        0.0,
+        ge=-1,
+        le=1,
+        description="Promote when metric >= champion's + margin (mse, mae: <= champion's - margin); negative: "
+        "accept a small loss.",
     )
     min_score: float | None = Field(
         None,
-        ge=0,
-        le=1,
-        description="The least test metric a model needs to be promoted, champion or "
-        "not. Default: more than always predicting the test split's majority "
-        "class scores (a model that learned nothing scores exactly that).",
+        description="The least test metric a model needs to be promoted (mse, mae: the most), champion or not. "
+        "Default: better than a model that learned nothing: always predicting the test split's majority "
+        "class, giving each label as most training rows have it, or predicting the training mean.",
     )
+
+    @property
+    def lower_is_better(self) -> bool:
+        return self.metric in LOWER_IS_BETTER
+
+    def of_task(self, task: Task) -> PromotionConfig:
+        """With the metric the task is promoted on: the one given, which must be the task's, else its first."""
+        scored = METRICS[task]
+        if self.metric is not None and self.metric not in scored:
+            raise ValueError(f"promotion.metric: {self.metric} is not a {task} metric: one of {', '.join(scored)}")
+        return self.model_copy(update={"metric": self.metric or scored[0]})
 
 
 RAY_ADDRESS = (
@@ -197,6 +257,22 @@ class FinetuneParams(Strict):
         "Letters, digits, '.', '_', '-'; the same id resumes that run.",
     )
     ray_address: str | None = Field(None, description=RAY_ADDRESS)
+
+    @model_validator(mode="after")
+    def _promotion_scores_the_task(self) -> FinetuneParams:
+        """promotion.metric one of the task's (its first where unset), as the run records it."""
+        self.promotion = self.promotion.of_task(self.data.task)
+        return self
+
+    @model_validator(mode="after")
+    def _regression_watches_loss(self) -> FinetuneParams:
+        """Regression has no accuracy: keep_best and early stopping watch val_loss, its default monitor;
+        val_accuracy asked for is refused."""
+        if self.data.task == "regression" and self.train.monitor == "val_accuracy":
+            if "monitor" in self.train.model_fields_set:
+                raise ValueError("train.monitor: val_accuracy, but data.task regression has no accuracy: use val_loss")
+            self.train = self.train.model_copy(update={"monitor": "val_loss"})
+        return self
 
     def inputs(self) -> list[str]:
         """Every location the run reads, as given (files, folders, globs): outputs must stay apart."""

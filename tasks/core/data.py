@@ -18,12 +18,14 @@ from dataclasses import dataclass, replace
 from itertools import accumulate, pairwise
 from pathlib import PurePosixPath
 
+import numpy as np
 import pandas as pd
 import pyarrow.parquet as pq
 from fsspec.compression import compr
 
 from tasks.core import storage
 from tasks.core.config import DataConfig
+from tasks.core.targets import SHOWN, TargetError, Targets, rows_of
 
 SPLITS = ("train", "validation", "test")
 EXTENSIONS = {
@@ -37,7 +39,6 @@ EXTENSIONS = {
 # What pandas, Ray Data and `datasets` decompress by the file's last suffix, for every format but
 # Parquet (which compresses its own pages); fsspec's codecs (zstandard for .zst) read them.
 COMPRESSIONS = {".gz": "gzip", ".bz2": "bz2", ".xz": "xz", ".zst": "zstd"}
-SHOWN_ROWS = 5  # rows (or files) quoted in an error message
 CHUNK_ROWS = 10_000  # rows in memory at once per reader of a split's file
 PIECE_BYTES = 8 << 20  # the most of one file a worker task is given: pieces are what tasks balance
 # UTF-8, with or without the byte-order mark that spreadsheets and many Windows tools write first:
@@ -262,7 +263,7 @@ def _expand(uri: str) -> list[str]:
 
 def shown(uris: Sequence[str]) -> str:
     """Files named in a message: all of a few, the first few of many."""
-    return ", ".join(uris[:SHOWN_ROWS]) + (f" ... ({len(uris)} files)" if len(uris) > SHOWN_ROWS else "")
+    return ", ".join(uris[:SHOWN]) + (f" ... ({len(uris)} files)" if len(uris) > SHOWN else "")
 
 
 @dataclass(frozen=True)
@@ -271,12 +272,64 @@ class Schema:
 
     format: str
     text_column: str
-    label_column: str
-    label_names: tuple[str, ...]
+    label_columns: tuple[str, ...]  # one, or regression's several outputs
+    task: str
+    label_names: tuple[str, ...]  # the outputs' names: classes, labels, or the label columns
+    label_separator: str | None = None
 
     @classmethod
     def of(cls, cfg: DataConfig) -> Schema:
-        return cls(cfg.format, cfg.text_column, cfg.label_column, tuple(cfg.label_names))
+        columns = (cfg.label_column,) if isinstance(cfg.label_column, str) else tuple(cfg.label_column)
+        return cls(cfg.format, cfg.text_column, columns, cfg.task, cfg.targets.names, cfg.label_separator)
+
+    @property
+    def targets(self) -> Targets:
+        return Targets(task=self.task, names=self.label_names)
+
+
+@dataclass(frozen=True)
+class Tally:
+    """A split's targets summed up as it is read, per output: its rows with that class or label (a
+    number's sum, for regression), its least and greatest value; and the most labels a row has."""
+
+    rows: int
+    sums: tuple[float, ...]
+    least: tuple[float, ...]
+    most: tuple[float, ...]
+    labels_per_row: float
+
+    @classmethod
+    def of(cls, matrix: np.ndarray) -> Tally:
+        """The tally of a chunk's targets, a row per row and a column per output."""
+        return cls(
+            len(matrix),
+            tuple(matrix.sum(0).tolist()),
+            tuple(matrix.min(0).tolist()),
+            tuple(matrix.max(0).tolist()),
+            float(matrix.sum(1).max()),
+        )
+
+    def __add__(self, other: Tally) -> Tally:
+        return Tally(
+            self.rows + other.rows,
+            tuple(map(sum, zip(self.sums, other.sums, strict=True))),
+            tuple(map(min, zip(self.least, other.least, strict=True))),
+            tuple(map(max, zip(self.most, other.most, strict=True))),
+            max(self.labels_per_row, other.labels_per_row),
+        )
+
+    @property
+    def means(self) -> tuple[float, ...]:
+        """Per output, the mean target: a class's or a label's share of the rows, a number's mean."""
+        return tuple(total / self.rows for total in self.sums)
+
+
+def target_matrix(targets: pd.Series, spec: Targets) -> np.ndarray:
+    """Parsed targets (Targets.parse) as a matrix, a row per row and a column per output: a
+    single-label class id one-hot."""
+    if spec.task == "single_label":
+        return np.eye(spec.width)[targets.to_numpy()]
+    return np.array(targets.tolist(), dtype=np.float64).reshape(len(targets), spec.width)
 
 
 @dataclass(frozen=True)
@@ -287,57 +340,35 @@ class Split:
     uris: tuple[str, ...]  # sorted: global row numbers run through the files in this order
     pieces: tuple[Piece, ...]  # in the same order, each with its row count and first row
     sha256: str  # the file's own when there is one, else over the files' hashes in order
-    classes: frozenset[int]  # label ids seen
+    tally: Tally
     schema: Schema
 
     @property
     def total_rows(self) -> int:
         return sum(piece.rows for piece in self.pieces)
 
-
-def _rows(mask: pd.Series) -> str:
-    rows = mask[mask].index[:SHOWN_ROWS].tolist()
-    return f"rows {rows}{' ...' if mask.sum() > SHOWN_ROWS else ''}"
-
-
-def _label_ids(uri: str, column: pd.Series, names: Sequence[str]) -> pd.Series:
-    """Labels given as names or as ids (ints, or digit strings from CSV) -> ids."""
-    by_name = {name: i for i, name in enumerate(names)}
-
-    def to_id(value) -> int | None:
-        if isinstance(value, str):
-            if value in by_name:
-                return by_name[value]
-            value = int(value) if value.strip().isdigit() else None
-        if isinstance(value, (int,)) and not isinstance(value, bool) and 0 <= value < len(names):
-            return int(value)
-        if isinstance(value, float) and value.is_integer() and 0 <= value < len(names):
-            return int(value)
-        return None
-
-    ids = column.map(to_id)
-    bad = ids.isna()
-    if bad.any():
-        values = sorted({repr(v) for v in column[bad]})[:SHOWN_ROWS]
-        raise DataError(
-            f"{uri}: column '{column.name}' has labels outside {list(names)} (or ids 0..{len(names) - 1}): "
-            f"{', '.join(values)} at {_rows(bad)}"
-        )
-    return ids.astype("int64")
+    @property
+    def classes(self) -> frozenset[int]:
+        """The class or label ids some row has (classification)."""
+        return frozenset(i for i, total in enumerate(self.tally.sums) if total > 0)
 
 
 def _checked(uri: str, frame: pd.DataFrame, schema: Schema) -> pd.DataFrame:
-    for column in (schema.text_column, schema.label_column):
+    for column in (schema.text_column, *schema.label_columns):
         if column not in frame.columns:
             raise DataError(f"{uri}: column '{column}' not found; columns are {list(frame.columns)}")
     texts = frame[schema.text_column]
     not_text = ~texts.map(lambda t: isinstance(t, str))
     if not_text.any():
-        raise DataError(f"{uri}: column '{schema.text_column}' has non-string values at {_rows(not_text)}")
+        raise DataError(f"{uri}: column '{schema.text_column}' has non-string values at {rows_of(not_text)}")
     blank = texts.str.strip() == ""
     if blank.any():
-        raise DataError(f"{uri}: column '{schema.text_column}' has empty texts at {_rows(blank)}")
-    return pd.DataFrame({"text": texts, "label": _label_ids(uri, frame[schema.label_column], schema.label_names)})
+        raise DataError(f"{uri}: column '{schema.text_column}' has empty texts at {rows_of(blank)}")
+    try:
+        label = schema.targets.parse(frame[list(schema.label_columns)], schema.label_separator)
+    except TargetError as error:
+        raise DataError(f"{uri}: {error}") from None
+    return pd.DataFrame({"text": texts, "label": label})
 
 
 def labelled_frames(
@@ -364,26 +395,50 @@ def load_split(name: str, uris: str | list[str], cfg: DataConfig) -> Split:
     """Read every row of the split once, piece by piece and chunk by chunk, to refuse bad input
     early; keep only counts."""
     files, schema = tuple(expand_inputs(uris)), Schema.of(cfg)
-    pieces, classes, first_row = [], set(), 0
+    pieces, tallies, first_row = [], [], 0
     for uri in files:
         file_row = 0
         for piece in cut(uri, schema.format):
             piece = replace(piece, first_row=first_row, file_row=file_row)
             for frame in labelled_frames(uri, schema, piece=piece):
                 file_row += len(frame)
-                classes.update(frame["label"].unique().tolist())
+                tallies.append(Tally.of(target_matrix(frame["label"], schema.targets)))
             pieces.append(replace(piece, rows=file_row - piece.file_row))
             first_row += pieces[-1].rows
     if not first_row:
         raise DataError(f"{shown(files)}: the {name} split is empty")
-    return Split(name, files, tuple(pieces), combined_sha256(files), frozenset(classes), schema)
+    split = Split(name, files, tuple(pieces), combined_sha256(files), sum(tallies[1:], tallies[0]), schema)
+    check_separator(split)
+    return split
+
+
+def check_separator(split: Split) -> None:
+    """A multi-label separator that splits no row's labels is not the data's (or the data has one
+    label a row, and should say so as single_label)."""
+    separator = split.schema.label_separator
+    if separator and split.tally.labels_per_row <= 1:
+        raise DataError(
+            f"{shown(split.uris)}: data.label_separator {separator!r} splits no row of column "
+            f"'{split.schema.label_columns[0]}' into several labels"
+        )
+
+
+def check_training_targets(train: Split) -> None:
+    """What a model cannot learn from: one class only (single_label), a constant number (regression)."""
+    targets = train.schema.targets
+    if targets.task == "single_label" and len(train.classes) < 2:
+        only = targets.names[next(iter(train.classes))]
+        raise DataError(f"{shown(train.uris)}: the training split has a single class ('{only}'); it needs at least two")
+    if targets.task == "regression":
+        for column, least, most in zip(train.schema.label_columns, train.tally.least, train.tally.most, strict=True):
+            if least == most:
+                raise DataError(
+                    f"{shown(train.uris)}: column '{column}' is constant ({least:g}) in the training split: "
+                    "nothing to learn"
+                )
 
 
 def load_splits(cfg: DataConfig) -> dict[str, Split]:
     splits = {name: load_split(name, getattr(cfg, f"{name}_uri"), cfg) for name in SPLITS}
-    if len(splits["train"].classes) < 2:
-        only = cfg.label_names[next(iter(splits["train"].classes))]
-        raise DataError(
-            f"{shown(splits['train'].uris)}: the training split has a single class ('{only}'); it needs at least two"
-        )
+    check_training_targets(splits["train"])
     return splits

@@ -1,5 +1,6 @@
-"""`Predictor`: the one piece of code that turns texts into labels, used by the batch-inference
-actors (tasks/infer/worker.py) and by the champion's re-scoring (tasks/promote/rescore.py) alike.
+"""`Predictor`: the one piece of code that turns texts into a model's predictions (classes, labels or
+numbers: tasks/core/targets.py), used by the batch-inference actors (tasks/infer/worker.py) and by
+the champion's re-scoring (tasks/promote/rescore.py) alike.
 
 Kept apart from the Prefect tasks on purpose: every inference actor imports this module, and
 leaving Prefect out of its imports starts each actor seconds sooner.
@@ -13,13 +14,17 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from tasks.core.attention import without_cudnn_attention
 from tasks.core.first_token import last_layer_at_first_token
+from tasks.core.objective import outputs_of
+from tasks.core.targets import Targets, task_of
 from tasks.core.text import local_model, padded, truncating
+from tasks.evaluate.contract import THRESHOLD
 
 
 class Predictor:
-    """Texts -> (label, score). Each call encodes all its texts at once, orders them by token count
-    and batches neighbours, so a batch pads to its own length rather than to the longest text of a
-    random draw."""
+    """Texts -> predictions. Each call encodes all its texts at once, orders them by token count and
+    batches neighbours, so a batch pads to its own length rather than to the longest text of a random
+    draw. A multi-label model decides each label at the threshold it was saved with (THRESHOLD, 0.5,
+    for a model saved without)."""
 
     def __init__(self, model_uri: str, batch_size: int, threads: int | None = None, precision: str = "auto"):
         if threads:
@@ -36,26 +41,33 @@ class Predictor:
             model = AutoModelForSequenceClassification.from_pretrained(folder, dtype=dtype, local_files_only=True)
             self.model = model.to(self.device).eval()
         last_layer_at_first_token(self.model)
-        self.label_names = [self.model.config.id2label[i] for i in range(self.model.config.num_labels)]
+        config = self.model.config
+        self.targets = Targets(
+            task=task_of(config.problem_type), names=tuple(config.id2label[i] for i in range(config.num_labels))
+        )
+        self.thresholds = getattr(config, "label_thresholds", None) or [THRESHOLD] * self.targets.width
         self.batch_size = batch_size
         max_length = min(tokenizer.model_max_length, getattr(self.model.config, "max_position_embeddings", 512))
         self.encoder = truncating(tokenizer, max_length)
         self.pad_id = tokenizer.pad_token_id or 0  # any id does: the attention mask hides it
 
+    @property
+    def label_names(self) -> list[str]:
+        return list(self.targets.names)
+
     @torch.inference_mode()
-    def predict(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-        """Label ids and their probabilities, in the order of `texts`."""
+    def outputs(self, texts: list[str]) -> np.ndarray:
+        """Per text, in order: its class probabilities, each label's probability, or its numbers."""
         encoded = [encoding.ids for encoding in self.encoder.encode_batch(texts)]
         lengths = np.array([len(ids) for ids in encoded], dtype=np.int64)
         order = np.argsort(lengths, kind="stable")
-        labels, scores = np.empty(len(texts), dtype=np.int64), np.empty(len(texts), dtype=np.float32)
+        found = np.empty((len(texts), self.targets.width), dtype=np.float32)
         for start in range(0, len(texts), self.batch_size):
             chunk = order[start : start + self.batch_size]
             input_ids, attention_mask = self.padded([encoded[i] for i in chunk], lengths[chunk])
-            probs = self.model(input_ids=input_ids, attention_mask=attention_mask).logits.float().softmax(-1)
-            best = probs.max(-1)
-            labels[chunk], scores[chunk] = best.indices.cpu().numpy(), best.values.cpu().numpy()
-        return labels, scores
+            logits = self.model(input_ids=input_ids, attention_mask=attention_mask).logits
+            found[chunk] = outputs_of(logits, self.targets.task).cpu().numpy()
+        return found
 
     def padded(self, rows: list[list[int]], lengths: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         input_ids, attention_mask = padded(rows, lengths, self.pad_id)

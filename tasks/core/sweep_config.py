@@ -145,6 +145,11 @@ class SweepParams(FinetuneParams):
     def _trials_watch_the_metric(self) -> SweepParams:
         """Each trial's keep_best and early stopping watch the metric that ranks the trials (train.monitor
         says so): a best checkpoint by another metric would not be the one its trial was ranked by. Not
-        refused when they differ: the UI's form sends every train.* field, its default monitor too."""
+        refused when they differ: the UI's form sends every train.* field, its default monitor too.
+        Regression has no accuracy: its default metric is val_loss, and val_accuracy asked for is refused."""
+        if self.data.task == "regression" and self.sweep.metric == "val_accuracy":
+            if "metric" in self.sweep.model_fields_set:
+                raise ValueError("sweep.metric: val_accuracy, but data.task regression has no accuracy: use val_loss")
+            self.sweep = self.sweep.model_copy(update={"metric": "val_loss"})
         self.train = self.train.model_copy(update={"monitor": self.sweep.metric})
         return self

@@ -1,34 +1,49 @@
-"""What evaluation hands on: a model's Metrics on a labelled split (the run's metrics.json), which
-promotion gates on and the report shows."""
+"""What evaluation hands on: a model's metrics on a labelled split (the run's metrics.json), which
+promotion gates on and the report shows, one class per task (tasks/core/targets.py), each with the
+scores of a model that learned nothing (the promotion gate's default floor); and the multi-label
+decision thresholds tuned on the validation split, which the model keeps. Imports numpy and pydantic
+only: the training workers tune the thresholds."""
 
 from __future__ import annotations
 
+from typing import Annotated, Literal
+
 import numpy as np
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from tasks.train.contract import Predictions
 
+THRESHOLD = 0.5  # a label's decision threshold where none was tuned (no validation row has the label)
+GRID = np.round(np.arange(0.05, 0.96, 0.05), 2)  # the thresholds tried per label
+
+
+class Floor(BaseModel):
+    """What a model that learned nothing scores on the same rows, and how it predicts: the promotion
+    gate's default floor."""
+
+    scores: dict[str, float]
+    words: str
+
 
 class Metrics(BaseModel):
-    """A model's scores on a labelled split (the run's metrics.json)."""
+    """A single-label model's scores on a labelled split (the run's metrics.json)."""
 
+    task: Literal["single_label"] = "single_label"
     accuracy: float
     macro_f1: float
     confusion_matrix: list[list[int]]  # true x predicted
     label_names: list[str]
     rows: int
+    floor: Floor | None = None  # set by evaluation (with_floor)
 
     @classmethod
     def of_confusion(cls, counts: np.ndarray, label_names: list[str]) -> Metrics:
         """Accuracy and macro F1 from the confusion matrix (true x predicted), which is all a streamed
         evaluation keeps; F1 of a class is 2 TP / (predicted + actual), 0 where both are 0."""
         true_positives, predicted, actual = np.diag(counts), counts.sum(0), counts.sum(1)
-        f1 = np.divide(
-            2 * true_positives, predicted + actual, out=np.zeros(len(label_names)), where=predicted + actual > 0
-        )
         return cls(
             accuracy=float(true_positives.sum() / counts.sum()),
-            macro_f1=float(f1.mean()),
+            macro_f1=float(f1_scores(true_positives, predicted, actual).mean()),
             confusion_matrix=counts.tolist(),
             label_names=label_names,
             rows=int(counts.sum()),
@@ -42,6 +57,20 @@ class Metrics(BaseModel):
         np.add.at(counts, (truth, labels), 1)
         return cls.of_confusion(counts, label_names)
 
+    def with_floor(self) -> Metrics:
+        """With the scores of always predicting the split's majority class (from the confusion matrix's
+        true counts)."""
+        actual = np.asarray(self.confusion_matrix).sum(1)
+        majority = int(actual.argmax())
+        one_class = np.zeros((len(actual), len(actual)), dtype=np.int64)
+        one_class[:, majority] = actual
+        scores = Metrics.of_confusion(one_class, self.label_names)
+        words = f"always predicting the test split's majority class '{self.label_names[majority]}'"
+        return self.model_copy(update={"floor": Floor(scores=scores.scores(), words=words)})
+
+    def scores(self) -> dict[str, float]:
+        return {"accuracy": self.accuracy, "macro_f1": self.macro_f1}
+
     def confusion_markdown(self) -> str:
         names = self.label_names
         lines = ["| true \\ predicted | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
@@ -50,3 +79,176 @@ class Metrics(BaseModel):
             for name, row in zip(names, self.confusion_matrix, strict=True)
         ]
         return "\n".join(lines)
+
+
+def f1_scores(true_positives: np.ndarray, predicted: np.ndarray, actual: np.ndarray) -> np.ndarray:
+    """F1 per class or label: 2 TP / (predicted + actual), 0 where both are 0."""
+    total = predicted + actual
+    return np.divide(2 * true_positives, total, out=np.zeros(len(total)), where=total > 0)
+
+
+class LabelScores(BaseModel):
+    """One label's scores in a multi-label evaluation, at its threshold."""
+
+    name: str
+    threshold: float
+    precision: float
+    recall: float
+    f1: float
+    support: int  # rows that have the label
+    predicted: int  # rows the model gave it
+
+
+class MultiLabelMetrics(BaseModel):
+    """A multi-label model's scores on a labelled split, each label decided at its threshold."""
+
+    task: Literal["multi_label"] = "multi_label"
+    micro_f1: float
+    macro_f1: float
+    subset_accuracy: float  # rows with every label right
+    labels: list[LabelScores]
+    rows: int
+    floor: Floor | None = None
+
+    @classmethod
+    def of(cls, decided: np.ndarray, truth: np.ndarray, names: list[str], thresholds: list[float]) -> MultiLabelMetrics:
+        """From the labels decided (rows x labels, booleans) and the true ones."""
+        truth = truth > 0.5
+        hits, predicted, actual = (decided & truth).sum(0), decided.sum(0), truth.sum(0)
+        f1 = f1_scores(hits, predicted, actual)
+        labels = [
+            LabelScores(
+                name=name,
+                threshold=threshold,
+                precision=float(hit / given) if given else 0.0,
+                recall=float(hit / have) if have else 0.0,
+                f1=float(score),
+                support=int(have),
+                predicted=int(given),
+            )
+            for name, threshold, hit, given, have, score in zip(
+                names, thresholds, hits, predicted, actual, f1, strict=True
+            )
+        ]
+        return cls(
+            micro_f1=float(
+                f1_scores(hits.sum(keepdims=True), predicted.sum(keepdims=True), actual.sum(keepdims=True))[0]
+            ),
+            macro_f1=float(f1.mean()),
+            subset_accuracy=float((decided == truth).all(1).mean()),
+            labels=labels,
+            rows=len(truth),
+        )
+
+    @classmethod
+    def of_predictions(
+        cls, predictions: Predictions, names: list[str], thresholds: list[float], label_shares: tuple[float, ...]
+    ) -> MultiLabelMetrics:
+        """At the thresholds, with the scores of giving each label to every row or to none, as most
+        training rows (label_shares) have it or not."""
+        probabilities, truth = np.asarray(predictions.outputs), np.asarray(predictions.targets)
+        metrics = cls.of(probabilities >= np.asarray(thresholds), truth, names, thresholds)
+        majority = np.broadcast_to(np.asarray(label_shares) > 0.5, truth.shape)
+        words = "giving each label to every row or to none, as most training rows have it or not"
+        floor = Floor(scores=cls.of(majority, truth, names, thresholds).scores(), words=words)
+        return metrics.model_copy(update={"floor": floor})
+
+    def scores(self) -> dict[str, float]:
+        return {"micro_f1": self.micro_f1, "macro_f1": self.macro_f1, "subset_accuracy": self.subset_accuracy}
+
+
+def tuned_thresholds(validation: Predictions) -> list[float]:
+    """Per label, the threshold of GRID with the best F1 on the validation split's rows (of equals, the
+    nearest 0.5); THRESHOLD where no row has the label."""
+    probabilities, truth = np.asarray(validation.outputs), np.asarray(validation.targets) > 0.5
+    decided = probabilities[:, :, None] >= GRID  # rows x labels x thresholds
+    hits = (decided & truth[:, :, None]).sum(0)
+    f1 = 2 * hits / np.maximum(decided.sum(0) + truth.sum(0)[:, None], 1)
+    nearest_half = -np.abs(GRID - THRESHOLD)
+    best = np.lexsort((np.broadcast_to(nearest_half, f1.shape), f1), axis=1)[:, -1]
+    return [float(GRID[i]) if truth[:, label].any() else THRESHOLD for label, i in enumerate(best)]
+
+
+class OutputScores(BaseModel):
+    """One regression output's scores."""
+
+    name: str
+    mse: float
+    mae: float
+    pearson: float  # 0 where the predictions or the targets are constant (no correlation defined)
+    spearman: float
+
+
+class RegressionMetrics(BaseModel):
+    """A regression model's scores on a labelled split: each output's, and their means."""
+
+    task: Literal["regression"] = "regression"
+    mse: float
+    mae: float
+    pearson: float
+    spearman: float
+    outputs: list[OutputScores]
+    rows: int
+    floor: Floor | None = None
+
+    @classmethod
+    def of(cls, predicted: np.ndarray, truth: np.ndarray, names: list[str]) -> RegressionMetrics:
+        outputs = [
+            OutputScores(
+                name=name,
+                mse=float(np.mean((guess - true) ** 2)),
+                mae=float(np.mean(np.abs(guess - true))),
+                pearson=correlation(guess, true),
+                spearman=correlation(ranks(guess), ranks(true)),
+            )
+            for name, guess, true in zip(names, predicted.T, truth.T, strict=True)
+        ]
+        means = {
+            key: float(np.mean([getattr(o, key) for o in outputs])) for key in ("mse", "mae", "pearson", "spearman")
+        }
+        return cls(**means, outputs=outputs, rows=len(truth))
+
+    @classmethod
+    def of_predictions(
+        cls, predictions: Predictions, names: list[str], training_means: tuple[float, ...]
+    ) -> RegressionMetrics:
+        """With the scores of predicting the training split's mean for every row."""
+        predicted, truth = np.asarray(predictions.outputs), np.asarray(predictions.targets)
+        constant = np.broadcast_to(np.asarray(training_means), truth.shape)
+        floor = Floor(scores=cls.of(constant, truth, names).scores(), words="predicting the training split's mean")
+        return cls.of(predicted, truth, names).model_copy(update={"floor": floor})
+
+    def scores(self) -> dict[str, float]:
+        return {"mse": self.mse, "mae": self.mae, "pearson": self.pearson, "spearman": self.spearman}
+
+
+def ranks(values: np.ndarray) -> np.ndarray:
+    """Each value's rank, ties given their mean rank (Spearman's convention). Written out: pandas' and
+    scipy's rank would add their imports to every training worker, which tunes thresholds here."""
+    order = np.empty(len(values))
+    order[values.argsort(kind="stable")] = np.arange(len(values))
+    _, tie, count = np.unique(values, return_inverse=True, return_counts=True)
+    return (np.bincount(tie, weights=order) / count)[tie]
+
+
+def correlation(a: np.ndarray, b: np.ndarray) -> float:
+    """Pearson's r; 0 where either side is constant (r is not defined there)."""
+    if a.std() == 0 or b.std() == 0:
+        return 0.0
+    return float(np.corrcoef(a, b)[0, 1])
+
+
+AnyMetrics = Annotated[Metrics | MultiLabelMetrics | RegressionMetrics, Field(discriminator="task")]
+
+
+def details_markdown(metrics: AnyMetrics) -> str:
+    """What a table of scores does not show: the confusion matrix, each label's or each output's scores."""
+    if isinstance(metrics, Metrics):
+        return metrics.confusion_markdown()
+    rows = metrics.labels if isinstance(metrics, MultiLabelMetrics) else metrics.outputs
+    fields = [name for name in type(rows[0]).model_fields if name != "name"]
+    lines = ["| | " + " | ".join(fields) + " |", "|---" * (len(fields) + 1) + "|"]
+    lines += [
+        f"| **{row.name}** | " + " | ".join(f"{getattr(row, field):.4g}" for field in fields) + " |" for row in rows
+    ]
+    return "\n".join(lines)

@@ -1,6 +1,6 @@
 """Stage 3, the Prefect side: held-out metrics of the trained model, stored and shown as Prefect
-artifacts, from the labels the trained engine gave the test split where it was trained
-(tasks/train/worker.py); tasks/evaluate/contract.py computes them."""
+artifacts, from what the trained engine predicted of the test split where it was trained
+(tasks/train/worker.py); tasks/evaluate/contract.py computes them, for the run's task."""
 
 from __future__ import annotations
 
@@ -10,35 +10,45 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from tasks.core import storage
 from tasks.core.data import Split, shown
 from tasks.core.layout import RunStore
-from tasks.evaluate.contract import Metrics
+from tasks.evaluate.contract import AnyMetrics, Metrics, MultiLabelMetrics, RegressionMetrics, details_markdown
 from tasks.prefect_side.retries import RETRY_TRANSIENT
-from tasks.train.contract import Predictions
+from tasks.train.contract import Result
+
+
+def test_metrics(splits: dict[str, Split], training: Result) -> AnyMetrics:
+    """The task's metrics of the test split as training predicted it, with the floor a model that
+    learned nothing gets (the training split's label shares or means, for multi-label and regression)."""
+    targets, predictions, train = splits["test"].schema.targets, training.test, splits["train"]
+    names = list(targets.names)
+    if targets.task == "single_label":
+        return Metrics.of_predictions(predictions, names).with_floor()
+    if targets.task == "multi_label":
+        return MultiLabelMetrics.of_predictions(predictions, names, training.thresholds, train.tally.means)
+    return RegressionMetrics.of_predictions(predictions, names, train.tally.means)
 
 
 @task(**RETRY_TRANSIENT)
-def evaluate(store: RunStore, test: Split, predictions: Predictions) -> Metrics:
-    """Accuracy, macro F1 and the confusion matrix of the run's model on the test split, as the trained
-    engine labelled it -> the run's metrics.json + artifacts."""
-    model_uri = store.model_dir
-    if len(predictions.labels) != test.total_rows:
-        raise RuntimeError(f"training labelled {len(predictions.labels)} test rows of {test.total_rows}")
-    metrics = Metrics.of_predictions(predictions, list(test.schema.label_names))
+def evaluate(store: RunStore, splits: dict[str, Split], training: Result) -> AnyMetrics:
+    """The run's model's metrics on the test split, as the trained engine predicted it -> the run's
+    metrics.json + artifacts."""
+    test = splits["test"]
+    if training.test.rows != test.total_rows:
+        raise RuntimeError(f"training labelled {training.test.rows} test rows of {test.total_rows}")
+    metrics = test_metrics(splits, training)
     storage.write_json(store.metrics, metrics.model_dump())
+    scores = metrics.scores()
     create_table_artifact(
         key="test-metrics",
-        table=[
-            {"metric": "accuracy", "value": round(metrics.accuracy, 4)},
-            {"metric": "macro_f1", "value": round(metrics.macro_f1, 4)},
-            {"metric": "rows", "value": metrics.rows},
-        ],
-        description=f"Test metrics of {model_uri}",
+        table=[{"metric": name, "value": round(value, 4)} for name, value in scores.items()]
+        + [{"metric": "rows", "value": metrics.rows}],
+        description=f"Test metrics of {store.model_dir}",
     )
     create_markdown_artifact(
-        key="confusion-matrix",
-        markdown=f"### Confusion matrix on {shown(test.uris)}\n\n{metrics.confusion_markdown()}\n",
-        description="Rows: true labels; columns: predicted labels",
+        key="confusion-matrix" if isinstance(metrics, Metrics) else "test-details",
+        markdown=f"### {metrics.task} scores on {shown(test.uris)}\n\n{details_markdown(metrics)}\n",
+        description="Rows: true labels, columns: predicted (single_label); else per label or output",
     )
     get_run_logger().info(
-        "test accuracy %.4f, macro F1 %.4f on %d rows", metrics.accuracy, metrics.macro_f1, metrics.rows
+        "test %s on %d rows", ", ".join(f"{name} {value:.4f}" for name, value in scores.items()), metrics.rows
     )
     return metrics

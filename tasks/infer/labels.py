@@ -19,7 +19,8 @@ import pyarrow.parquet as pq
 from tasks.core import layout, storage
 from tasks.core.config import InferenceConfig
 from tasks.core.data import Split, iter_frames
-from tasks.infer.contract import LABELS_SCHEMA, Labelled
+from tasks.core.targets import Targets
+from tasks.infer.contract import Labelled, labels_schema
 from tasks.train.contract import Predictions
 
 
@@ -30,12 +31,23 @@ def file_names(files: list[str]) -> dict[str, str]:
     return {uri: os.path.relpath(uri, base) if base else Path(uri).name for uri in files}
 
 
+def columns(targets: Targets, thresholds: list[float], outputs: np.ndarray) -> dict[str, list | np.ndarray]:
+    """A window's predictions (Predictor.outputs: rows x outputs) as the columns labels_schema names."""
+    names = np.asarray(targets.names)
+    if targets.task == "single_label":
+        return {"label": names[outputs.argmax(1)], "score": outputs.max(1)}
+    if targets.task == "multi_label":
+        given = outputs >= np.asarray(thresholds)
+        return {"labels": [names[row].tolist() for row in given], "scores": list(outputs)}
+    return {name: outputs[:, i] for i, name in enumerate(targets.names)}
+
+
 def labels_table(
-    frame: pd.DataFrame, texts: list[str], labels: np.ndarray, scores: np.ndarray, first_row: int, name: str, id_column
+    frame: pd.DataFrame, texts: list[str], predicted: dict, schema: pa.Schema, first_row: int, name: str, id_column
 ) -> pa.Table:
-    """A window of labelled rows: their ids (id_column's, else '<name>:<row>'), texts, label names, scores."""
+    """A window of labelled rows: their ids (id_column's, else '<name>:<row>'), texts, and predictions."""
     ids = frame[id_column].astype(str) if id_column else [f"{name}:{first_row + i}" for i in range(len(frame))]
-    return pa.table({"id": ids, "text": texts, "label": labels, "score": scores}, schema=LABELS_SCHEMA)
+    return pa.table({"id": ids, "text": texts, **predicted}, schema=schema)
 
 
 def completed(output: layout.OutputFolder, job: str, files: list[str], model_uri: str, cfg: InferenceConfig) -> int:
@@ -60,31 +72,32 @@ def completed(output: layout.OutputFolder, job: str, files: list[str], model_uri
 
 
 def from_predictions(
-    predictions: Predictions, test: Split, model_uri: str, cfg: InferenceConfig, output_uri: str
+    predictions: Predictions,
+    thresholds: list[float] | None,
+    test: Split,
+    model_uri: str,
+    cfg: InferenceConfig,
+    output_uri: str,
 ) -> Labelled:
-    """The test split's labels, as the trained engine gave them by row (the split's rows run through its
-    files in order), written where and as batch inference would write the model's: a Parquet file per
-    input file, the same ids, the same record."""
+    """The test split's labels, as the trained engine predicted them by row (the split's rows run through
+    its files in order), written where and as batch inference would write the model's: a Parquet file
+    per input file, the same ids, the same record."""
     started, output = time.perf_counter(), layout.OutputFolder(output_uri)
     job = output.start()
     out_path, out_fs = storage.pyarrow_filesystem(output_uri)
-    names = np.asarray(test.schema.label_names)
-    labels, scores = np.asarray(predictions.labels), np.asarray(predictions.scores, dtype=np.float32)
+    targets = test.schema.targets
+    schema = labels_schema(targets)
     row = 0
     for part, (uri, name) in enumerate(file_names(list(test.uris)).items()):
         first_in_file = row
-        with pq.ParquetWriter(f"{out_path}/{job}_{part:05d}.parquet", LABELS_SCHEMA, filesystem=out_fs) as out:
+        with pq.ParquetWriter(f"{out_path}/{job}_{part:05d}.parquet", schema, filesystem=out_fs) as out:
             for frame in iter_frames(uri, test.schema.format, cfg.window_rows):
-                window = slice(row, row + len(frame))
+                predicted = window_of(predictions, targets, thresholds, slice(row, row + len(frame)))
                 texts = frame[cfg.text_column].astype(str).tolist()
-                out.write_table(
-                    labels_table(
-                        frame, texts, names[labels[window]], scores[window], row - first_in_file, name, cfg.id_column
-                    )
-                )
+                out.write_table(labels_table(frame, texts, predicted, schema, row - first_in_file, name, cfg.id_column))
                 row += len(frame)
-    if row != len(labels):
-        raise RuntimeError(f"the test split has {row} rows and training labelled {len(labels)}")
+    if row != predictions.rows:
+        raise RuntimeError(f"the test split has {row} rows and training labelled {predictions.rows}")
     rows = completed(output, job, list(test.uris), model_uri, cfg)
     seconds = time.perf_counter() - started
     return Labelled(
@@ -96,3 +109,12 @@ def from_predictions(
         actors=0,
         parts=len(test.uris),
     )
+
+
+def window_of(predictions: Predictions, targets: Targets, thresholds: list[float] | None, rows: slice) -> dict:
+    """The columns of a window of rows as training predicted them: a single-label model's classes and
+    their probabilities as it gave them, other tasks' from their outputs."""
+    if targets.task == "single_label":
+        labels = np.asarray(predictions.labels[rows], dtype=np.int64)
+        return {"label": np.asarray(targets.names)[labels], "score": np.asarray(predictions.scores[rows], np.float32)}
+    return columns(targets, thresholds or [], np.asarray(predictions.outputs[rows], dtype=np.float32))

@@ -15,7 +15,7 @@ from tasks.infer.driver import labelled
 from tasks.infer.labels import from_predictions
 from tasks.prefect_side.live import Tracked
 from tasks.prefect_side.retries import RETRY_TRANSIENT
-from tasks.train.contract import Predictions
+from tasks.train.contract import Result
 
 # The stage's progress artifact in the UI: key, description.
 PROGRESS = ("batch-inference-progress", "Batch inference: % of the rows labelled (estimated until every part is read)")
@@ -33,13 +33,11 @@ def predict_files(model_uri: str, cfg: InferenceConfig, output_uri: str, ray_add
 
 
 @task(**RETRY_TRANSIENT)
-def write_test_labels(
-    predictions: Predictions, test: Split, model_uri: str, cfg: InferenceConfig, output_uri: str
-) -> Labelled:
+def write_test_labels(training: Result, test: Split, model_uri: str, cfg: InferenceConfig, output_uri: str) -> Labelled:
     """Batch inference of the test split, whose rows the trained engine labelled for evaluation: those
     labels, written as predict_files writes the model's (no model is loaded again)."""
     with Tracked(*PROGRESS) as progress:
-        result = from_predictions(predictions, test, model_uri, cfg, output_uri)
+        result = from_predictions(training.test, training.thresholds, test, model_uri, cfg, output_uri)
         progress.info(
             "wrote the %d test rows' labels, as evaluation predicted them, in %.1f s", result.rows, result.seconds
         )

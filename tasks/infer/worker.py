@@ -17,15 +17,14 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-import numpy as np
 import pandas as pd
 import pyarrow.parquet as pq
 from pydantic import BaseModel
 
 from tasks.core import progress
 from tasks.core.data import DataError, Piece, file_format, iter_frames, reading
-from tasks.infer.contract import LABELS_SCHEMA
-from tasks.infer.labels import labels_table
+from tasks.infer.contract import labels_schema
+from tasks.infer.labels import columns, labels_table
 
 
 class Counts(BaseModel):
@@ -77,7 +76,7 @@ class Labeller:
         from tasks.core.predictor import Predictor  # torch and transformers: in the actor only, not its driver
 
         self.predictor = Predictor(model_uri, batch_size, threads, precision=precision)
-        self.label_names = np.asarray(self.predictor.label_names)
+        self.schema = labels_schema(self.predictor.targets)
         (self.path, self.filesystem), self.job = output, job
         self.text_column, self.id_column, self.window_rows = text_column, id_column, window_rows
         self.channel, self.me, self.counts = channel, uuid.uuid4().hex, Counts()
@@ -88,15 +87,14 @@ class Labeller:
     def label(self, part: Part) -> int:
         piece, name, seen = part.piece, part.name, 0
         with pq.ParquetWriter(
-            f"{self.path}/{self.job}_{part.part:05d}.parquet", LABELS_SCHEMA, filesystem=self.filesystem
+            f"{self.path}/{self.job}_{part.part:05d}.parquet", self.schema, filesystem=self.filesystem
         ) as out:
             for frame in self.windows(piece):
                 texts = frame[self.text_column].astype(str).tolist()
-                labels, scores = self.predictor.predict(texts)
+                predictor = self.predictor
+                predicted = columns(predictor.targets, predictor.thresholds, predictor.outputs(texts))
                 out.write_table(
-                    labels_table(
-                        frame, texts, self.label_names[labels], scores, piece.file_row + seen, name, self.id_column
-                    )
+                    labels_table(frame, texts, predicted, self.schema, piece.file_row + seen, name, self.id_column)
                 )
                 seen += len(frame)
                 self.counts.labelled += len(frame)

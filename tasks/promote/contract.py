@@ -14,6 +14,7 @@ import re
 from pydantic import BaseModel
 
 from tasks.core import layout, storage
+from tasks.core.targets import task_of
 
 CHAMPION_REF = re.compile(r"^models/(?P<name>[^/]+)@champion$")
 
@@ -43,6 +44,22 @@ def resolve(model_uri: str, root: str) -> str:
             "storage_root promotes one"
         )
     return Champion.model_validate(storage.read_json(pointer)).model_uri
+
+
+def check_champion_task(root: str, model_name: str, task: str) -> None:
+    """A registry entry's champion stays of one task: a run of another would be compared with a model
+    that predicts something else. Read from the champion's config.json, before any cluster work."""
+    pointer = layout.StorageRoot(root).champion(model_name)
+    if not storage.exists(pointer):
+        return
+    model_uri = Champion.model_validate(storage.read_json(pointer)).model_uri
+    config = storage.join(model_uri, "config.json")
+    found = task_of(storage.read_json(config).get("problem_type")) if storage.exists(config) else task
+    if found != task:
+        raise ValueError(
+            f"promotion.model_name {model_name}: its champion {model_uri} is a {found} model, and data.task is "
+            f"{task}: a registry entry's champion keeps its task; name another entry"
+        )
 
 
 class Decision(BaseModel):

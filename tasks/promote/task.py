@@ -1,7 +1,8 @@
 """Stage 3b: the promotion gate, writing the registry's champion pointer (tasks/promote/contract.py).
 
-A model is promoted only above a floor: by default, better than always predicting the test split's
-majority class (a model that learned nothing scores exactly that), else promotion.min_score. Then it
+A model is promoted only above a floor: by default, better than a model that learned nothing
+(evaluation's floor: always predicting the test split's majority class, giving each label as most
+training rows have it, predicting the training mean), else promotion.min_score. Then it
 is compared with the current champion on the same test split: the champion's score recorded at its
 promotion when that was on the same rows, else the champion scored again on the split this run
 evaluated, so a changed split favours neither. It is promoted only when its metric is at least the
@@ -19,7 +20,6 @@ import dataclasses
 import json
 from datetime import UTC, datetime
 
-import numpy as np
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 
@@ -27,7 +27,7 @@ from tasks.core import jobs, layout, storage
 from tasks.core.config import InferenceConfig, PromotionConfig
 from tasks.core.data import Split
 from tasks.core.layout import RunStore
-from tasks.evaluate.contract import Metrics
+from tasks.evaluate.contract import AnyMetrics
 from tasks.prefect_side import events
 from tasks.prefect_side.retries import RETRY_TRANSIENT
 from tasks.promote.contract import Champion, Decision
@@ -50,52 +50,52 @@ def champions_score(current: Champion, test: Split, metric: str, ray_address: st
     scored = jobs.run(
         score, ray_address, get_run_logger(), model_uri=current.model_uri, test=test, batch_size=batch_size
     )
-    return getattr(scored, metric)
+    return scored.scores()[metric]
 
 
-def floor(metrics: Metrics, cfg: PromotionConfig) -> tuple[float, bool, str]:
+def floor(metrics: AnyMetrics, cfg: PromotionConfig) -> tuple[float, bool, str]:
     """(the least score, whether reaching it is enough, the floor in words): promotion.min_score, or
-    the score of always predicting the test split's majority class (from the confusion matrix's true
-    counts), which a model must beat."""
+    the score of a model that learned nothing (evaluation's floor), which a model must beat."""
+    at_least = "<=" if cfg.lower_is_better else ">="
     if cfg.min_score is not None:
-        return cfg.min_score, True, f"{cfg.metric} >= {cfg.min_score:.4f} (promotion.min_score)"
-    actual = np.asarray(metrics.confusion_matrix).sum(1)
-    majority = int(actual.argmax())
-    one_class = np.zeros((len(actual), len(actual)), dtype=np.int64)
-    one_class[:, majority] = actual
-    least = getattr(Metrics.of_confusion(one_class, metrics.label_names), cfg.metric)
+        return cfg.min_score, True, f"{cfg.metric} {at_least} {cfg.min_score:.4f} (promotion.min_score)"
+    least = metrics.floor.scores[cfg.metric]
     return (
         least,
         False,
-        (
-            f"{cfg.metric} > {least:.4f}, the score of always predicting the test split's majority class "
-            f"'{metrics.label_names[majority]}' (promotion.min_score unset)"
-        ),
+        f"{cfg.metric} {at_least[0]} {least:.4f}, the score of {metrics.floor.words} (promotion.min_score unset)",
     )
+
+
+def better(cfg: PromotionConfig, score: float, than: float) -> bool:
+    """Whether `score` is at least `than` by the metric's direction (higher, or lower for mse and mae)."""
+    return score <= than if cfg.lower_is_better else score >= than
 
 
 @task(**RETRY_TRANSIENT)
 def promote(
-    store: RunStore, metrics: Metrics, test: Split, cfg: PromotionConfig, ray_address: str | None = None
+    store: RunStore, metrics: AnyMetrics, test: Split, cfg: PromotionConfig, ray_address: str | None = None
 ) -> Decision:
     """Make the run's model the champion of cfg.model_name if it clears the floor and is at least as
     good as the champion on the test split."""
-    model_uri, run_id, root = store.model_dir, store.run_id, store.root
+    model_uri, run_id, root, cfg = store.model_dir, store.run_id, store.root, cfg.of_task(metrics.task)
     pointer = layout.StorageRoot(root).champion(cfg.model_name)
     record, version = storage.read_versioned_json(pointer)
     current = Champion.model_validate(record) if record is not None else None
-    challenger, (least, reaching_is_enough, floor_words) = getattr(metrics, cfg.metric), floor(metrics, cfg)
-    champion = None
-    if challenger < least or (challenger == least and not reaching_is_enough):
-        promoted, why = False, f"{cfg.metric} {challenger:.4f} is not above the floor: {floor_words}"
+    challenger, (least, reaching_is_enough, floor_words) = metrics.scores()[cfg.metric], floor(metrics, cfg)
+    champion, sign = None, -1 if cfg.lower_is_better else 1
+    if not better(cfg, challenger, least) or (challenger == least and not reaching_is_enough):
+        above = "below" if cfg.lower_is_better else "above"
+        promoted, why = False, f"{cfg.metric} {challenger:.4f} is not {above} the floor: {floor_words}"
     elif current is None:
         promoted, why = True, "no champion yet"
     else:
         champion = champions_score(current, test, cfg.metric, ray_address)
-        promoted = challenger >= champion + cfg.margin
+        promoted = better(cfg, challenger, champion + sign * cfg.margin)
+        compared = ("<=" if promoted else ">") if sign < 0 else (">=" if promoted else "<")
         why = (
-            f"{cfg.metric} {challenger:.4f} {'>=' if promoted else '<'} the champion's {champion:.4f} "
-            f"+ margin {cfg.margin:g}, on the same test split"
+            f"{cfg.metric} {challenger:.4f} {compared} the champion's {champion:.4f} "
+            f"{'-' if sign < 0 else '+'} margin {cfg.margin:g}, on the same test split"
         )
     new = Champion(
         model_uri=model_uri,

@@ -12,7 +12,7 @@ from pydantic import BaseModel
 
 from tasks.core import storage
 from tasks.core.data import Split
-from tasks.evaluate.contract import Metrics
+from tasks.evaluate.contract import AnyMetrics
 from tasks.infer.contract import Labelled
 from tasks.prefect_side.retries import RETRY_TRANSIENT
 from tasks.promote.contract import Decision
@@ -37,7 +37,7 @@ class Outputs(BaseModel):
 class Results(BaseModel):
     """What a run's stages returned, as its report, manifest and MLflow run read it."""
 
-    test: Metrics
+    test: AnyMetrics
     training: Result
     promotion: Decision
     sweep: SweepResult | None = None  # a sweep's trials; training is its best trial's

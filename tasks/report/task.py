@@ -22,15 +22,21 @@ from tasks.core import layout, storage
 from tasks.core.data import Split
 from tasks.core.layout import RunStore
 from tasks.core.progress import STAGE
-from tasks.evaluate.contract import Metrics
+from tasks.evaluate.contract import AnyMetrics, Metrics, MultiLabelMetrics, RegressionMetrics, details_markdown
 from tasks.infer.contract import Labelled
 from tasks.prefect_side.retries import RETRY_TRANSIENT
 from tasks.promote.contract import Decision
 from tasks.report.manifest import Outputs, Results, versions
 from tasks.sweep.contract import SweepResult, shown
-from tasks.train.contract import Curve, Marks, Result
+from tasks.train.contract import Curve, Marks, Predictions, Result
 
-PLOTS = {"training": "training.png", "confusion": "confusion-matrix.png", "sweep": "sweep.png"}
+PLOTS = {
+    "training": "training.png",
+    "confusion": "confusion-matrix.png",  # single_label
+    "labels": "labels.png",  # multi_label
+    "scatter": "predicted-vs-true.png",  # regression
+    "sweep": "sweep.png",
+}
 
 
 class Stopwatch:
@@ -95,9 +101,11 @@ def png(figure: Figure) -> bytes:
 
 
 def training_plot(curve: Curve) -> bytes:
-    """Loss and accuracy against the optimizer step: training (averaged per logging interval) and validation."""
-    figure = Figure(figsize=(11, 3.8))
-    for axes, measure in zip(figure.subplots(1, 2), ("loss", "accuracy"), strict=True):
+    """Loss and accuracy (where the task has one) against the optimizer step: training (averaged per
+    logging interval) and validation."""
+    measures = ("loss", "accuracy") if curve.train and curve.train[0].accuracy is not None else ("loss",)
+    figure = Figure(figsize=(5.5 * len(measures), 3.8))
+    for axes, measure in zip(figure.subplots(1, len(measures), squeeze=False)[0], measures, strict=True):
         for points, name, style in ((curve.train, "training", "-"), (curve.validation, "validation", "o-")):
             axes.plot([p.step for p in points], [getattr(p, measure) for p in points], style, label=name)
         axes.set(xlabel="optimizer step", ylabel=measure, title=measure)
@@ -193,9 +201,65 @@ def link(uri: str, under: str = "") -> str:
     return f"[`{name}`]({uri if storage.is_remote(uri) else 'file://' + uri})"
 
 
-def summary(metrics: Metrics, promotion: Decision) -> list[str]:
+def label_plot(metrics: MultiLabelMetrics, train: Split) -> bytes:
+    """Each label's test F1 beside its share of the training rows, rarest last."""
+    shares = dict(zip(train.schema.targets.names, train.tally.means, strict=True))
+    labels = sorted(metrics.labels, key=lambda label: -shares[label.name])
+    figure = Figure(figsize=(max(6, 0.35 * len(labels) + 2), 4.2))
+    axes = figure.subplots()
+    where = range(len(labels))
+    axes.bar([x - 0.2 for x in where], [label.f1 for label in labels], 0.4, label="test F1")
+    axes.bar([x + 0.2 for x in where], [shares[label.name] for label in labels], 0.4, label="share of training rows")
+    axes.set_xticks(list(where), [label.name for label in labels], rotation=60, ha="right")
+    axes.set(title=f"per label, at its threshold: micro F1 {metrics.micro_f1:.3f}, macro F1 {metrics.macro_f1:.3f}")
+    axes.grid(alpha=0.3, axis="y")
+    axes.legend()
+    return png(figure)
+
+
+def scatter_plot(metrics: RegressionMetrics, test: Predictions) -> bytes:
+    """Predicted against true, per output, with the identity line and Pearson's r."""
+    figure = Figure(figsize=(4.5 * len(metrics.outputs), 4.2))
+    for column, (axes, output) in enumerate(
+        zip(figure.subplots(1, len(metrics.outputs), squeeze=False)[0], metrics.outputs, strict=True)
+    ):
+        truth, predicted = [row[column] for row in test.targets], [row[column] for row in test.outputs]
+        axes.scatter(truth, predicted, s=6, alpha=0.4)
+        low, high = min(truth + predicted), max(truth + predicted)
+        axes.plot([low, high], [low, high], color="C3", linewidth=1)
+        axes.set(xlabel=f"true {output.name}", ylabel="predicted", title=f"{output.name}: r = {output.pearson:.3f}")
+        axes.grid(alpha=0.3)
+    return png(figure)
+
+
+# Each task's section on the test split: its plot's name (PLOTS) and title.
+TASK_SECTIONS = {
+    "single_label": ("confusion", "Confusion matrix (test)"),
+    "multi_label": ("labels", "Per label (test)"),
+    "regression": ("scatter", "Predicted against true (test)"),
+}
+
+
+def task_plot(results: Results, splits: dict[str, Split]) -> dict[str, bytes]:
+    """The plot of the test split that fits the task: the confusion matrix, each label's F1 beside its
+    frequency, or predicted against true."""
+    metrics, (name, _) = results.test, TASK_SECTIONS[results.test.task]
+    if isinstance(metrics, Metrics):
+        return {name: confusion_plot(metrics)}
+    if isinstance(metrics, MultiLabelMetrics):
+        return {name: label_plot(metrics, splits["train"])}
+    return {name: scatter_plot(metrics, results.training.test)}
+
+
+def task_lines(metrics: AnyMetrics, images: dict[str, str], plot_link) -> list[str]:
+    name, title = TASK_SECTIONS[metrics.task]
+    return [f"## {title}", "", f"![{title}]({images[name]})", "", plot_link(name), "", details_markdown(metrics), ""]
+
+
+def summary(metrics: AnyMetrics, promotion: Decision) -> list[str]:
+    scores = ", ".join(f"{name.replace('_', ' ')} **{value:.4f}**" for name, value in metrics.scores().items())
     return [
-        f"Test accuracy **{metrics.accuracy:.4f}**, macro F1 **{metrics.macro_f1:.4f}** on {metrics.rows} rows.",
+        f"Test {scores} on {metrics.rows} rows.",
         "",
         f"Promotion: **{promotion.verdict()}** ({promotion.reason}).",
         "",
@@ -206,18 +270,13 @@ def summary(metrics: Metrics, promotion: Decision) -> list[str]:
 
 def metric_rows(results: Results) -> list[dict]:
     last, metrics, promotion = results.training.history[-1], results.test, results.promotion
-    rows = [
-        ("train", "loss", last.train_loss),
-        ("validation", "loss", last.val_loss),
-        ("validation", "accuracy", last.val_accuracy),
-    ]
+    rows = [("train", "loss", last.train_loss), ("validation", "loss", last.val_loss)]
+    rows += [("validation", "accuracy", last.val_accuracy)] if last.val_accuracy is not None else []
     kept = results.training.kept
     if kept and kept.step != last.step:  # keep_best exported an earlier step than the last
-        rows.append(("validation", f"accuracy at step {kept.step}, exported", kept.validation.accuracy))
-    rows += [
-        ("test", "accuracy", metrics.accuracy),
-        ("test", "macro_f1", metrics.macro_f1),
-    ]
+        monitor = "accuracy" if kept.validation.accuracy is not None else "loss"
+        rows.append(("validation", f"{monitor} at step {kept.step}, exported", getattr(kept.validation, monitor)))
+    rows += [("test", name, value) for name, value in metrics.scores().items()]
     if promotion.champion is not None:
         rows.append(("test", f"champion {promotion.metric}", promotion.champion))
     return [{"split": split, "metric": name, "value": round(value, 4)} for split, name, value in rows]
@@ -249,7 +308,7 @@ def epoch_rows(training: Result) -> list[dict]:
             "step": e.step,
             "train loss": round(e.train_loss, 4),
             "val loss": round(e.val_loss, 4),
-            "val accuracy": round(e.val_accuracy, 4),
+            **({"val accuracy": round(e.val_accuracy, 4)} if e.val_accuracy is not None else {}),
             "samples/s": round(e.samples_per_s, 1),
             "peak MiB per worker": round(e.peak_memory_mb),
         }
@@ -314,14 +373,7 @@ def markdown(
         "",
         *table(epoch_rows(results.training)),
         "",
-        "## Confusion matrix (test)",
-        "",
-        f"![confusion matrix]({images['confusion']})",
-        "",
-        plot_link("confusion"),
-        "",
-        results.test.confusion_markdown(),
-        "",
+        *task_lines(results.test, images, plot_link),
         "## Data",
         "",
         *table(data_rows(splits, outputs.tokenized, root)),
@@ -354,7 +406,7 @@ def publish_report(
     store: RunStore, config: dict, splits: dict[str, Split], outputs: Outputs, results: Results, seconds: dict
 ) -> str:
     """report.md and its plots in the run's report folder, and the same report and a metrics table as Prefect artifacts."""
-    plots = {"training": training_plot(results.training.curve), "confusion": confusion_plot(results.test)}
+    plots = {"training": training_plot(results.training.curve), **task_plot(results, splits)}
     if results.sweep:
         plots["sweep"] = sweep_plot(results.sweep)
     for name, image in plots.items():

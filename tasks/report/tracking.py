@@ -76,10 +76,10 @@ def metrics_of(results: Results, seconds: dict) -> list[tuple[str, float, int]]:
         for split, points in (("train", curve.train), ("val", curve.validation))
         for point in points
         for measure in ("loss", "accuracy")
+        if getattr(point, measure) is not None
     ]
     final = {
-        "test_accuracy": results.test.accuracy,
-        "test_macro_f1": results.test.macro_f1,
+        **{f"test_{name}": value for name, value in results.test.scores().items()},
         "samples_per_s": last.samples_per_s,
         "peak_memory_mb": last.peak_memory_mb,
         "kept_step": results.training.kept.step if results.training.kept else last.step,

@@ -22,6 +22,7 @@ from tasks.core.layout import RunStore
 from tasks.core.progress import Tick, log_tick, relayed
 from tasks.core.strict import first_line
 from tasks.core.sweep_config import SweepConfig
+from tasks.core.targets import Targets
 from tasks.core.train_config import TrainConfig
 from tasks.sweep.contract import Ended, SweepResult, TrialRecord, searched, shown
 from tasks.sweep.trial import run_trial
@@ -35,7 +36,7 @@ RELEASE_POLL_S = 0.2
 def search(
     tokenized: dict[str, str],
     model: ModelConfig,
-    label_names: list[str],
+    targets: Targets,
     train: TrainConfig,
     sweep: SweepConfig,
     store: RunStore,
@@ -47,7 +48,7 @@ def search(
             run_trial,
             tokenized=tokenized,
             model=model,
-            label_names=label_names,
+            targets=targets,
             train=train,
             store=store,
             channel=channel,

@@ -11,6 +11,7 @@ from tasks.core import jobs, storage
 from tasks.core.config import ModelConfig
 from tasks.core.layout import RunStore
 from tasks.core.sweep_config import SweepConfig, SweepParams
+from tasks.core.targets import Targets
 from tasks.core.train_config import TrainConfig
 from tasks.prefect_side.limits import TRAINING_TAG
 from tasks.prefect_side.live import Tracked
@@ -23,7 +24,7 @@ from tasks.sweep.driver import search
 def sweep_trials(
     tokenized: dict[str, str],
     model: ModelConfig,
-    label_names: list[str],
+    targets: Targets,
     train: TrainConfig,
     sweep: SweepConfig,
     store: RunStore,
@@ -38,7 +39,7 @@ def sweep_trials(
             progress,
             tokenized=tokenized,
             model=model,
-            label_names=label_names,
+            targets=targets,
             train=train,
             sweep=sweep,
             store=store,

@@ -14,6 +14,7 @@ from ray.tune.integration.ray_train import TuneReportCallback
 from tasks.core.config import ModelConfig
 from tasks.core.layout import RunStore
 from tasks.core.progress import say
+from tasks.core.targets import Targets
 from tasks.core.train_config import TrainConfig
 from tasks.train.driver import trained
 
@@ -40,7 +41,7 @@ def run_trial(
     drawn: dict,
     tokenized: dict[str, str],
     model: ModelConfig,
-    label_names: list[str],
+    targets: Targets,
     train: TrainConfig,
     store: RunStore,
     channel: str,
@@ -50,4 +51,4 @@ def run_trial(
     trial_id = tune.get_context().get_trial_id()
     cfg = TrainConfig.model_validate({**train.model_dump(), **drawn})
     logger = trial_logger(channel, trial_id)
-    trained(logger, tokenized, model, label_names, cfg, store.trial(trial_id), (TuneReportCallback(),))
+    trained(logger, tokenized, model, targets, cfg, store.trial(trial_id), (TuneReportCallback(),))

@@ -1,8 +1,17 @@
-"""What tokenization hands on: each split's shards, Parquet files of SHARD_SCHEMA rows under
+"""What tokenization hands on: each split's shards, Parquet files of `shard_schema` rows under
 <root>/tokenized/<content-key>/<split>/ (tasks/core/layout.py), which training reads."""
 
 from __future__ import annotations
 
 import pyarrow as pa
 
-SHARD_SCHEMA = pa.schema({"row": pa.int64(), "label": pa.int64(), "input_ids": pa.list_(pa.int32())})
+from tasks.core.targets import Targets
+
+SHARD_COLUMNS = ("row", "label", "input_ids")
+
+
+def shard_schema(targets: Targets) -> pa.Schema:
+    """A shard's row: its number in the split, its target (a class id; a multi-hot row or the numbers,
+    as floats), its token ids."""
+    label = pa.int64() if targets.task == "single_label" else pa.list_(pa.float32())
+    return pa.schema({"row": pa.int64(), "label": label, "input_ids": pa.list_(pa.int32())})

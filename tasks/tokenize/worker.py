@@ -17,7 +17,7 @@ from tokenizers import Tokenizer
 
 from tasks.core import progress, storage
 from tasks.core.data import SPLITS, Piece, Schema, Split, labelled_frames
-from tasks.tokenize.contract import SHARD_SCHEMA
+from tasks.tokenize.contract import shard_schema
 
 SHARD_BYTES = 256 << 20  # the most input one task tokenizes into one Parquet file
 
@@ -63,14 +63,14 @@ def write_shard(shard: Shard, schema: Schema, tokenizer: Tokenizer, target: str,
     written, and tallies them on the channel as it goes. Named by the job (the output folder's record
     of its files) and the shard's number, a retried task overwrites its own file (and its tally)."""
     path, filesystem = storage.pyarrow_filesystem(target)
-    rows, me = 0, f"{shard.split}-{shard.index:05d}"
-    with pq.ParquetWriter(f"{path}/{job}_{shard.index:05d}.parquet", SHARD_SCHEMA, filesystem=filesystem) as out:
+    rows, me, written = 0, f"{shard.split}-{shard.index:05d}", shard_schema(schema.targets)
+    with pq.ParquetWriter(f"{path}/{job}_{shard.index:05d}.parquet", written, filesystem=filesystem) as out:
         for piece in shard.pieces:
             for frame in labelled_frames(piece.uri, schema, piece=piece):
                 ids = [encoding.ids for encoding in tokenizer.encode_batch(frame["text"].tolist())]
                 row = piece.first_row - piece.file_row + frame.index.to_numpy()  # the file's row -> the split's
                 out.write_table(
-                    pa.table({"row": row, "label": frame["label"].to_numpy(), "input_ids": ids}, schema=SHARD_SCHEMA)
+                    pa.table({"row": row, "label": frame["label"].tolist(), "input_ids": ids}, schema=written)
                 )
                 rows += len(frame)
                 progress.tally(channel, me, Written(rows=rows))

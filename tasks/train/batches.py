@@ -2,7 +2,7 @@
 
 What a worker sees of the data: Ray Data streams the training split from its Parquet shards, and Ray
 Train splits the stream into equal parts, one per worker (`get_dataset_shard`). The driver pads it
-with fewer ignored rows than there are workers, so the equal split drops no row and every worker
+with fewer copies of a row numbered -1 than there are workers, so the equal split drops no row and every worker
 runs the same number of micro-batches. An evaluation split (validation, test) every worker reads
 from its shards itself, keeping its own rows, padded the same way (`own_rows`). The training split
 is shuffled once by Ray Data with the seed (the same permutation every epoch), then within a buffer
@@ -27,8 +27,9 @@ import torch
 from tasks.core import storage
 from tasks.core.text import padded
 from tasks.core.train_config import TrainConfig
-from tasks.tokenize.contract import SHARD_SCHEMA
-from tasks.train.contract import IGNORED, EvaluationSplit
+from tasks.tokenize.contract import SHARD_COLUMNS
+from tasks.train.contract import EvaluationSplit
+from tasks.train.ingest import padding_rows
 
 
 def collate(batch: dict[str, np.ndarray], pad_id: int, pin: bool) -> dict[str, torch.Tensor]:
@@ -39,10 +40,16 @@ def collate(batch: dict[str, np.ndarray], pad_id: int, pin: bool) -> dict[str, t
     host = {
         "input_ids": torch.from_numpy(input_ids),
         "attention_mask": torch.from_numpy(attention_mask),
-        "labels": torch.tensor(batch["label"], device="cpu"),
+        "labels": torch.from_numpy(targets_of(batch["label"])),
         "row": torch.tensor(batch["row"], device="cpu"),
     }  # copies: Ray's arrays are read-only
     return {key: tensor.pin_memory() for key, tensor in host.items()} if pin else host
+
+
+def targets_of(column: np.ndarray) -> np.ndarray:
+    """A batch's targets as one array: class ids, or a row of floats per row (multi-label, regression),
+    which Ray Data and pyarrow hand over as an array of arrays. A copy: Ray's arrays are read-only."""
+    return np.stack(column) if column.dtype == object else np.array(column)
 
 
 def by_length(group: list[dict[str, np.ndarray]], pad_id: int, pin: bool) -> list[dict[str, torch.Tensor]]:
@@ -82,27 +89,28 @@ def grouped(drawn, cfg: TrainConfig, pad_id: int, pin: bool, order: np.random.Ge
 
 def own_rows(split: EvaluationSplit, micro_batch: int) -> Iterator[dict[str, np.ndarray]]:
     """This worker's rows of an evaluation split, `micro_batch` at a time: those whose number is its rank
-    modulo the workers, and one ignored row where the split does not divide evenly, so every worker has
-    as many rows. Read from the shards here rather than split by Ray Train: that started a coordinator
-    actor per split, a process (1.5-3 s here) for rows each worker reads once per evaluation."""
+    modulo the workers, and a copy of a row numbered -1 (it counts for nothing) where the split does not
+    divide evenly, so every worker has as many rows. Read from the shards here rather than split by Ray
+    Train: that started a coordinator actor per split, a process (1.5-3 s here) for rows each worker
+    reads once per evaluation."""
     context = ray.train.get_context()
     rank, workers = context.get_world_rank(), context.get_world_size()
     path, filesystem = storage.pyarrow_filesystem(split.uri)
     shards = pyarrow.dataset.dataset(path, filesystem=filesystem, format="parquet")
     held: list[pa.RecordBatch] = []
-    for batch in shards.to_batches(columns=SHARD_SCHEMA.names):
+    for batch in shards.to_batches(columns=list(SHARD_COLUMNS)):
         held.append(batch.filter(pa.array(batch.column("row").to_numpy() % workers == rank)))
         while sum(map(len, held)) >= micro_batch:
-            first, rest = rows_of(pa.Table.from_batches(held, SHARD_SCHEMA), micro_batch)
+            first, rest = rows_of(pa.Table.from_batches(held), micro_batch)
             yield first
             held = rest.to_batches()
     if rank >= split.rows % workers > 0:
-        held.append(pa.record_batch({"row": [-1], "label": [IGNORED], "input_ids": [[0]]}, schema=SHARD_SCHEMA))
+        held += padding_rows(shards.head(1, columns=list(SHARD_COLUMNS)), 1).to_batches()
     if sum(map(len, held)):
-        yield rows_of(pa.Table.from_batches(held, SHARD_SCHEMA), micro_batch)[0]
+        yield rows_of(pa.Table.from_batches(held), micro_batch)[0]
 
 
 def rows_of(table: pa.Table, count: int) -> tuple[dict[str, np.ndarray], pa.Table]:
     """The first `count` rows of a table as a Ray Data numpy batch would hold them, and the rest."""
     first = table.slice(0, count)
-    return {name: first.column(name).to_numpy() for name in SHARD_SCHEMA.names}, table.slice(count)
+    return {name: first.column(name).to_numpy() for name in SHARD_COLUMNS}, table.slice(count)

@@ -9,6 +9,7 @@ import math
 
 from pydantic import BaseModel
 
+from tasks.core.targets import Targets, Task
 from tasks.core.train_config import BETTER, Monitor, TrainConfig
 
 
@@ -21,7 +22,6 @@ class Choice(BaseModel):
     reason: str
 
 
-IGNORED = -100  # the label of the rows the driver pads a split with: no loss, no metric, no prediction
 STATE_FILE = "training_state.json"  # beside the exported model: the history, the curve, the validation predictions
 
 
@@ -58,7 +58,7 @@ class WorkerSpec(BaseModel):
     plan: Plan
     deepspeed: dict
     model: str
-    label_names: list[str]
+    targets: Targets  # what the model outputs: classes, labels or numbers
     max_length: int
     batches_per_epoch: int  # micro-batches per worker and epoch, the same on every worker
     max_steps: int  # optimizer steps of the whole run
@@ -81,7 +81,7 @@ class Point(BaseModel):
     step: int
     epoch: float
     loss: float
-    accuracy: float
+    accuracy: float | None = None  # a classifier's (multi-label: every label right); regression has none
 
     def value(self, monitor: Monitor) -> float:
         return self.accuracy if monitor == "val_accuracy" else self.loss
@@ -113,7 +113,7 @@ class EpochRecord(BaseModel):
     resumed_from_step: int
     train_loss: float
     val_loss: float
-    val_accuracy: float
+    val_accuracy: float | None
     samples_per_s: float  # steady state: after the first micro-batch, evaluations and checkpoints excluded
     peak_memory_mb: float  # the largest over workers
     startup_s: float | None  # this attempt's model load, engine build and first micro-batch, in its first epoch only
@@ -162,13 +162,43 @@ class Marks(BaseModel):
 
 
 class Predictions(BaseModel):
-    """A split as the trained engine labelled it, by row: the label ids, their probabilities, the true
-    label ids. Evaluation and the test split's batch inference read these instead of loading the
-    exported model again in new processes (8.3 + 9.8 s of a 20-step main job on this CPU)."""
+    """A split as the trained engine predicted it, by row. Evaluation and the test split's batch
+    inference read these instead of loading the exported model again in new processes (8.3 + 9.8 s of a
+    20-step main job on this CPU). single_label: each row's class id, its probability, the true class id;
+    multi_label: each label's probability and the true labels (multi-hot); regression: the predicted and
+    the true numbers."""
 
-    labels: list[int]
-    scores: list[float]
-    truth: list[int]
+    task: Task = "single_label"
+    labels: list[int] = []
+    scores: list[float] = []
+    truth: list[int] = []
+    outputs: list[list[float]] = []
+    targets: list[list[float]] = []
+
+    @classmethod
+    def of(cls, task: Task, outputs: list[list[float]], targets: list) -> Predictions:
+        """From each row's outputs (tasks/core/objective.py outputs_of) and its target."""
+        if task != "single_label":
+            return cls(task=task, outputs=outputs, targets=targets)
+        best = [max(range(len(row)), key=row.__getitem__) for row in outputs]
+        return cls(labels=best, scores=[row[i] for row, i in zip(outputs, best, strict=True)], truth=targets)
+
+    @property
+    def rows(self) -> int:
+        return len(self.labels) or len(self.outputs)
+
+    @property
+    def accuracy(self) -> float | None:
+        """The share of rows right: its class, or every label at 0.5 (subset accuracy); None for numbers."""
+        if self.task == "single_label":
+            return sum(a == b for a, b in zip(self.labels, self.truth, strict=True)) / max(1, len(self.labels))
+        if self.task == "multi_label":
+            right = [
+                all((p > 0.5) == (t > 0.5) for p, t in zip(row, truth, strict=True))
+                for row, truth in zip(self.outputs, self.targets, strict=True)
+            ]
+            return sum(right) / max(1, len(right))
+        return None
 
 
 class Result(BaseModel):
@@ -176,7 +206,7 @@ class Result(BaseModel):
 
     history: list[EpochRecord]
     curve: Curve
-    validation_predictions: list[int]  # by validation row, as the engine predicted them
+    validation: Predictions  # the validation split, by row, as the engine predicted it at the kept step
     test: Predictions | None = None  # the test split, where the driver gave one (WorkerSpec.evaluation)
     nodes: list[str]  # the Ray node of each worker, by rank, in the last attempt
     layer_parameter_mb: float | None = (
@@ -187,3 +217,6 @@ class Result(BaseModel):
     strategy: Choice | None = None  # what strategy=auto chose and why, added by the driver
     stopped: str = ""  # why training ended: its epochs, max_steps, or early stopping
     kept: Kept | None = None  # the step exported: the best validated (keep_best), else the last
+    # multi-label: each label's decision threshold, tuned on the validation split (THRESHOLD where it has
+    # no row with the label), which the exported model keeps in its config as `label_thresholds`
+    thresholds: list[float] | None = None

@@ -33,6 +33,7 @@ from tasks.core.config import ModelConfig
 from tasks.core.layout import RunStore
 from tasks.core.models import hub_free
 from tasks.core.progress import relayed
+from tasks.core.targets import Targets
 from tasks.core.train_config import TrainConfig
 from tasks.train.contract import SCORE, STATE_FILE, ClusterInfo, EvaluationSplit, Plan, Result, WorkerSpec
 from tasks.train.deepspeed_config import deepspeed_config
@@ -53,28 +54,26 @@ ZERO3_WORKER_ENV = {"MALLOC_MMAP_THRESHOLD_": str(64 * 2**10)}
 HEALTH_CHECK_INTERVAL_S = 0.5
 
 
-def fit(
-    tokenized: dict[str, str], model: ModelConfig, label_names: list[str], cfg: TrainConfig, store: RunStore
-) -> Result:
+def fit(tokenized: dict[str, str], model: ModelConfig, targets: Targets, cfg: TrainConfig, store: RunStore) -> Result:
     """The stage's Ray work (tasks/core/jobs.py runs it where the cluster is): plan, then Ray Train."""
-    return trained(jobs.log, tokenized, model, label_names, cfg, store)
+    return trained(jobs.log, tokenized, model, targets, cfg, store)
 
 
 def trained(
     logger: logging.Logger,
     tokenized: dict[str, str],
     model: ModelConfig,
-    label_names: list[str],
+    targets: Targets,
     cfg: TrainConfig,
     store: RunStore,
     callbacks: tuple[UserCallback, ...] = (),
 ) -> Result:
     """One training run, for the train stage or a sweep's trial (whose callback reports to Ray Tune)."""
-    cfg, choice, the_plan = planned(model, label_names, cfg)  # refuse what cannot run before any worker starts
+    cfg, choice, the_plan = planned(model, targets, cfg)  # refuse what cannot run before any worker starts
     if choice:
         logger.info("strategy=auto: %s", choice.reason)
     train_rows, train_count = split(tokenized["train"], the_plan.workers)
-    spec = worker_spec(tokenized, model, label_names, cfg, the_plan, train_count, store)
+    spec = worker_spec(tokenized, model, targets, cfg, the_plan, train_count, store)
     say_plan(logger, spec)
     # The workers' ticks, lines and heartbeats, while training runs; a stall is reported under the run.
     with relayed(logger, Watchdog(logger, store.stall, cfg.stall_warning_s)) as channel:
@@ -101,7 +100,7 @@ def cluster_info() -> ClusterInfo:
 def worker_spec(
     tokenized: dict[str, str],
     model: ModelConfig,
-    label_names: list[str],
+    targets: Targets,
     cfg: TrainConfig,
     the_plan: Plan,
     train_count: int,
@@ -123,7 +122,7 @@ def worker_spec(
         plan=the_plan,
         deepspeed=deepspeed_config(cfg, the_plan, max_steps, getattr(config, "hidden_size", 768)),
         model=model.name_or_path,
-        label_names=label_names,
+        targets=targets,
         max_length=model.max_length,
         batches_per_epoch=batches_per_epoch,
         max_steps=max_steps,
@@ -229,13 +228,14 @@ def log_history(logger: logging.Logger, result: Result) -> None:
     if result.kept and result.kept.step != result.history[-1].step:
         logger.info("exported step %d: %s", result.kept.step, result.kept.reason)
     for row in result.history:
+        accuracy = f" val_accuracy {row.val_accuracy:.4f}" if row.val_accuracy is not None else ""
         logger.info(
-            "epoch %g step %d: train_loss %.4f val_loss %.4f val_accuracy %.4f (%.1f samples/s, peak %.0f MiB per worker)%s",
+            "epoch %g step %d: train_loss %.4f val_loss %.4f%s (%.1f samples/s, peak %.0f MiB per worker)%s",
             row.epoch,
             row.step,
             row.train_loss,
             row.val_loss,
-            row.val_accuracy,
+            accuracy,
             row.samples_per_s,
             row.peak_memory_mb,
             f", resumed from step {row.resumed_from_step}" if row.resumed_from_step else "",

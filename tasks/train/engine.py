@@ -31,12 +31,14 @@ def build_model(spec: WorkerSpec):
     # engine splits it, then partitions its shards.
     partitioned = spec.train.zero_stage == 3 and spec.train.tensor_parallel_size == 1
     zero_init = HfDeepSpeedConfig(spec.deepspeed) if partitioned else None  # noqa: F841 (kept alive)
-    names = spec.label_names
+    names = spec.targets.names
     model = AutoModelForSequenceClassification.from_pretrained(
         spec.model,
+        problem_type=spec.targets.problem_type,  # which loss transformers computes (tasks/core/objective.py)
         num_labels=len(names),
         id2label=dict(enumerate(names)),
         label2id={name: i for i, name in enumerate(names)},
+        ignore_mismatched_sizes=True,  # a classifier of other outputs (a fine-tuned model's): a new head
         **hub_free(spec.model),
     )
     last_layer_at_first_token(model)
@@ -117,7 +119,7 @@ def setup(spec: WorkerSpec, pulse: Pulse) -> tuple:
     module, names = pipeline.stages(model, stages, spec.train.activation_checkpointing) if stages > 1 else (model, None)
     pulse("building the DeepSpeed engine")  # its first collective (broadcasting the weights) is NCCL's first connection
     engine, *_ = deepspeed.initialize(model=module, model_parameters=param_groups(module), config=spec.deepspeed)
-    return engine, device, tokenizer, Replica(engine, spec.plan.accumulation, names, model.config)
+    return engine, device, tokenizer, Replica(engine, spec.plan.accumulation, model.config, names)
 
 
 def engine_line(engine, device: torch.device, seconds: float) -> str:

@@ -13,8 +13,6 @@ from ray.data import DataContext
 from ray.train import DataConfig
 
 from tasks.core import storage
-from tasks.tokenize.contract import SHARD_SCHEMA
-from tasks.train.contract import IGNORED
 
 # Blocks of the training stream: Ray Data cuts them at 128 MiB, and a shuffle's output blocks are
 # large, so a worker waited on a few big reduce tasks: at 1M tiny-model rows, 0.47x the samples/s
@@ -37,27 +35,27 @@ def parquet_reader_v1() -> Iterator[None]:
 
 
 def split(uri: str, workers: int) -> tuple[ray.data.Dataset, int]:
-    """A tokenized split as a lazy Ray Data stream of its Parquet shards, padded with ignored rows
-    (row -1, label IGNORED, one token) to a multiple of the workers: Ray Train's equal split would
-    otherwise drop the remainder, and an unequal one leaves a worker's collectives waiting. Returns
-    it with its real row count, from the Parquet footers (Ray Data's count() runs a pipeline: 1.8 s
-    of the main job's start, for the same 8530 rows)."""
+    """A tokenized split as a lazy Ray Data stream of its Parquet shards, padded with copies of a row
+    numbered -1, which count for nothing (tasks/core/objective.py), to a multiple of the workers: Ray
+    Train's equal split would otherwise drop the remainder, and an unequal one leaves a worker's
+    collectives waiting. Returns it with its real row count, from the Parquet footers (Ray Data's
+    count() runs a pipeline: 1.8 s of the main job's start, for the same 8530 rows)."""
     path, filesystem = storage.pyarrow_filesystem(uri)
     with parquet_reader_v1():
         rows = ray.data.read_parquet(path, filesystem=filesystem, file_extensions=["parquet"])
     rows.context.target_max_block_size = BLOCK_BYTES  # this stream's context: the read and the shuffle after it
-    count = rows_in(uri)
+    shards = pyarrow.dataset.dataset(path, filesystem=filesystem, format="parquet")
+    count = shards.count_rows()
     padding = -count % workers
     if padding:
-        rows = rows.union(
-            ray.data.from_arrow(
-                pa.table(
-                    {"row": [-1] * padding, "label": [IGNORED] * padding, "input_ids": [[0]] * padding},
-                    schema=SHARD_SCHEMA,
-                )
-            )
-        )
+        rows = rows.union(ray.data.from_arrow(padding_rows(shards.head(1), padding)))
     return rows, count
+
+
+def padding_rows(row: pa.Table, count: int) -> pa.Table:
+    """`count` copies of a one-row table, numbered -1."""
+    copies = pa.concat_tables([row] * count)
+    return copies.set_column(copies.schema.get_field_index("row"), "row", pa.array([-1] * count, pa.int64()))
 
 
 def rows_in(uri: str) -> int:

@@ -9,13 +9,15 @@ its additive mask from it, as the HF model does.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.distributed as dist
 from torch import nn
 from transformers import AutoModelForSequenceClassification
 from transformers.masking_utils import create_bidirectional_mask
 
-from tasks.train.contract import IGNORED
+from tasks.core.objective import mean_loss
 
 
 class Embeddings(nn.Module):
@@ -64,10 +66,11 @@ class Head(nn.Module):
         return logits
 
 
-def mean_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy over the rows that count; 0, not NaN, for a micro-batch of padding rows."""
-    losses = nn.functional.cross_entropy(logits.float(), labels, ignore_index=IGNORED, reduction="sum")
-    return losses / (labels != IGNORED).sum().clamp(min=1)
+def pipe_loss(logits: torch.Tensor, labels: tuple[torch.Tensor, torch.Tensor], config) -> torch.Tensor:
+    """The last stage's loss: DeepSpeed hands a loss function the logits and the labels alone, so the
+    labels travel with the positions of the rows that count (Replica.pipe_inputs)."""
+    targets, real = labels
+    return mean_loss(logits, targets, config, real)
 
 
 def stages(model, count: int, activation_checkpointing: bool):
@@ -81,7 +84,7 @@ def stages(model, count: int, activation_checkpointing: bool):
     module = PipelineModule(
         layers=layers,
         num_stages=count,
-        loss_fn=mean_loss,
+        loss_fn=partial(pipe_loss, config=model.config),
         partition_method="type:EncoderLayer",
         # each micro-batch is padded to its own longest row: without dynamic shapes the receiving
         # stage keeps the first one's buffer size, and gloo aborted on the first longer one

@@ -11,6 +11,7 @@ from tasks.core import cluster
 from tasks.core.config import ModelConfig
 from tasks.core.first_token import FIRST_TOKEN_CLASSIFIERS
 from tasks.core.models import hub_free
+from tasks.core.targets import Targets
 from tasks.core.train_config import TrainConfig
 from tasks.train import strategy
 from tasks.train.contract import Choice, Plan
@@ -118,14 +119,14 @@ def resolved(
     return strategy.pick(options)
 
 
-def planned(model: ModelConfig, label_names: list[str], cfg: TrainConfig) -> tuple[TrainConfig, Choice | None, Plan]:
+def planned(model: ModelConfig, targets: Targets, cfg: TrainConfig) -> tuple[TrainConfig, Choice | None, Plan]:
     """The config as it trains (strategy=auto resolved), why, and its plan on this cluster; or what to change."""
     check_parallelism(cfg, model)
     resources = cluster.Resources.of_cluster()
-    cfg, choice = resolved(cfg, model, len(label_names), resources)
+    cfg, choice = resolved(cfg, model, targets.width, resources)
     return cfg, choice, plan(cfg, resources)
 
 
-def check_plan(model: ModelConfig, label_names: list[str], cfg: TrainConfig) -> None:
+def check_plan(model: ModelConfig, targets: Targets, cfg: TrainConfig) -> None:
     """check_training_plan's Ray work (tasks/core/jobs.py runs it where the cluster is)."""
-    planned(model, label_names, cfg)
+    planned(model, targets, cfg)

@@ -9,8 +9,8 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 
+from tasks.core.objective import mean_loss, real_rows
 from tasks.train import pipeline
-from tasks.train.pipeline import mean_loss
 
 
 def on(device: torch.device, tensor: torch.Tensor) -> torch.Tensor:
@@ -21,10 +21,10 @@ def logits_of(engine, batch: dict, device: torch.device) -> torch.Tensor:
     return engine(input_ids=on(device, batch["input_ids"]), attention_mask=on(device, batch["attention_mask"])).logits
 
 
-def forward(engine, batch: dict, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def forward(engine, batch: dict, device: torch.device, config) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(mean loss over the batch's real rows, logits, labels); padding rows count for nothing."""
-    labels, logits = on(device, batch["labels"]), logits_of(engine, batch, device)
-    return mean_loss(logits, labels), logits, labels
+    labels, logits, real = on(device, batch["labels"]), logits_of(engine, batch, device), real_rows(batch["row"])
+    return mean_loss(logits, labels, config, None if real is None else on(device, real)), logits, labels
 
 
 class Replica:
@@ -36,7 +36,7 @@ class Replica:
     that holds the logits speaks for the replica in the metrics (the first of a tensor-parallel
     group, a pipeline's last stage)."""
 
-    def __init__(self, engine, accumulation: int, names: dict[int, str] | None = None, config=None):
+    def __init__(self, engine, accumulation: int, config, names: dict[int, str] | None = None):
         from deepspeed.utils import groups
 
         self.engine, self.accumulation, self.names, self.config = engine, accumulation, names, config
@@ -73,16 +73,17 @@ class Replica:
 
     def train(
         self, batch: dict, device: torch.device, offload: bool, alone
-    ) -> Iterator[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]]:
-        """Train on a micro-batch; yield (loss, logits or None on ranks without them, labels) of each
-        micro-batch computed. A pipeline trains a whole step at once, once its micro-batches are in."""
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]]:
+        """Train on a micro-batch; yield (loss, logits or None on ranks without them, labels, row
+        numbers on the host) of each micro-batch computed. A pipeline trains a whole step at once,
+        once its micro-batches are in."""
         if self.names is None:
             # save_on_cpu keeps the tensors autograd saves for backward in host memory until needed.
             with torch.autograd.graph.save_on_cpu(pin_memory=True) if offload else nullcontext(), alone():
-                loss, logits, labels = forward(self.engine, batch, device)
+                loss, logits, labels = forward(self.engine, batch, device, self.config)
                 self.engine.backward(loss)
             self.engine.step()  # an optimizer step only at the end of an accumulation cycle
-            yield loss, logits, labels
+            yield loss, logits, labels, batch["row"]
             return
         self.pending.append(batch)
         if len(self.pending) < self.accumulation:
@@ -91,7 +92,7 @@ class Replica:
         loss = self.engine.train_batch(iter([self.pipe_inputs(part, device) for part in step]))
         logits = self.head.logits if self.head else [None] * len(step)
         for part, part_logits in zip(step, logits, strict=True):
-            yield loss, part_logits, on(device, part["labels"])
+            yield loss, part_logits, on(device, part["labels"]), part["row"]
         if self.head:
             self.head.logits.clear()
 
@@ -108,7 +109,12 @@ class Replica:
 
     @staticmethod
     def pipe_inputs(batch: dict, device: torch.device) -> tuple:
-        return (on(device, batch["input_ids"]), on(device, batch["attention_mask"])), on(device, batch["labels"])
+        """A micro-batch as a pipeline takes it: (inputs, labels), the labels with the positions of the
+        real rows (every one, where all are), which the loss needs (pipeline.pipe_loss)."""
+        real = real_rows(batch["row"])
+        real = torch.arange(len(batch["row"])) if real is None else real
+        inputs = on(device, batch["input_ids"]), on(device, batch["attention_mask"])
+        return inputs, (on(device, batch["labels"]), on(device, real))
 
     def layers(self) -> list[torch.nn.Module]:
         """The encoder layers this worker holds (BERT-family models; none found for others)."""

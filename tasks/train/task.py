@@ -8,6 +8,7 @@ from prefect import get_run_logger, task
 from tasks.core import jobs
 from tasks.core.config import ModelConfig
 from tasks.core.layout import RunStore
+from tasks.core.targets import Targets
 from tasks.core.train_config import TrainConfig
 from tasks.prefect_side.limits import TRAINING_TAG
 from tasks.prefect_side.live import Tracked
@@ -21,7 +22,7 @@ from tasks.train.plan import check_plan
 def train(
     tokenized: dict[str, str],
     model: ModelConfig,
-    label_names: list[str],
+    targets: Targets,
     cfg: TrainConfig,
     store: RunStore,
     ray_address: str | None = None,
@@ -35,16 +36,14 @@ def train(
             progress,
             tokenized=tokenized,
             model=model,
-            label_names=label_names,
+            targets=targets,
             cfg=cfg,
             store=store,
         )
 
 
 @task
-def check_training_plan(
-    model: ModelConfig, label_names: list[str], cfg: TrainConfig, ray_address: str | None = None
-) -> None:
+def check_training_plan(model: ModelConfig, targets: Targets, cfg: TrainConfig, ray_address: str | None = None) -> None:
     """Refuse a plan this cluster cannot run (workers, parallel sizes, device, precision) before the
     run tokenizes: at training's start it came after tokenization (27 s here)."""
-    jobs.run(check_plan, ray_address, get_run_logger(), model=model, label_names=label_names, cfg=cfg)
+    jobs.run(check_plan, ray_address, get_run_logger(), model=model, targets=targets, cfg=cfg)

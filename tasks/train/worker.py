@@ -30,10 +30,11 @@ import torch.distributed as dist
 from ray.train import Checkpoint
 
 from tasks.core import storage
+from tasks.core.objective import mean_loss, outputs_of, real_rows, right
 from tasks.core.progress import Tick, post, say
+from tasks.evaluate.contract import tuned_thresholds
 from tasks.train.batches import evaluation_batches, training_batches
 from tasks.train.contract import (
-    IGNORED,
     SCORE,
     STATE_FILE,
     UNVALIDATED,
@@ -47,7 +48,7 @@ from tasks.train.contract import (
     WorkerSpec,
 )
 from tasks.train.engine import engine_line, setup
-from tasks.train.replica import Replica
+from tasks.train.replica import Replica, on
 from tasks.train.stream import drawn
 from tasks.train.watch import TRAINING, Pulse
 
@@ -56,34 +57,35 @@ class Meter:
     """Training loss x rows, rows right and rows, summed on the device and read only every
     `log_every_steps` steps: no sync per batch. Also the rows per second between two reads."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, task: str):
         self.sums = torch.zeros(3, dtype=torch.float64, device=device)
-        self.read_at, self.rows_per_s = time.perf_counter(), 0.0
+        self.read_at, self.rows_per_s, self.task = time.perf_counter(), 0.0, task
 
-    def add(self, loss: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor) -> None:
-        real = labels != IGNORED
-        rows, right = real.sum().double(), ((logits.detach().argmax(-1) == labels) & real).sum().double()
+    def add(self, loss: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor, rows: torch.Tensor) -> None:
+        real = on(labels.device, rows >= 0)
         # Not `[real]`: a boolean index sizes its result on the host, a device sync per micro-batch.
-        self.sums += torch.stack([loss.detach().double() * rows, right, rows])
+        count, hits = real.sum().double(), (right(logits.detach(), labels, self.task) & real).sum().double()
+        self.sums += torch.stack([loss.detach().double() * count, hits, count])
 
     def point(self, step: int, epoch: float) -> Point:
         dist.all_reduce(self.sums)
-        loss_x_rows, right, rows = self.sums.tolist()
+        loss_x_rows, hits, rows = self.sums.tolist()
         self.sums.zero_()
         now = time.perf_counter()
         self.read_at, self.rows_per_s = now, rows / (now - self.read_at)
-        return Point(step=step, epoch=round(epoch, 4), loss=loss_x_rows / max(rows, 1), accuracy=right / max(rows, 1))
+        accuracy = hits / max(rows, 1) if self.task != "regression" else None
+        return Point(step=step, epoch=round(epoch, 4), loss=loss_x_rows / max(rows, 1), accuracy=accuracy)
 
 
 @torch.no_grad()
 def predicted(
     engine, replica: Replica, split: str, spec: WorkerSpec, pad_id: int, device: torch.device
-) -> list[tuple[int, float, int, float, int]]:
-    """Every row of a split as the engine labels it, gathered from all workers (each replica's from
-    the rank that holds its logits) and ordered by row: (row, loss, label, its probability, true
-    label). The padding rows are dropped by their row number (-1)."""
+) -> tuple[float, Predictions]:
+    """Every row of a split as the engine predicts it, gathered from all workers (each replica's from
+    the rank that holds its logits): the mean loss over its rows, and the predictions by row. The
+    padding rows are dropped by their row number (-1)."""
     engine.eval()
-    local: list[tuple[int, float, int, float, int]] = []
+    task, local, loss_x_rows = spec.targets.task, [], 0.0
     for batch in evaluation_batches(
         spec.evaluation[split], spec.plan.micro_batch, spec.train, pad_id, pin=device.type == "cuda"
     ):
@@ -91,37 +93,16 @@ def predicted(
         logits = replica.logits(batch, device)
         if not replica.leads:
             continue
-        real, labels, logits = batch["row"] >= 0, batch["labels"], logits.float().cpu()
-        losses = torch.nn.functional.cross_entropy(logits, labels, ignore_index=IGNORED, reduction="none")
-        best = logits.softmax(-1).max(-1)
-        local += zip(
-            batch["row"][real].tolist(),
-            losses[real].tolist(),
-            best.indices[real].tolist(),
-            best.values[real].tolist(),
-            labels[real].tolist(),
-            strict=True,
-        )
+        logits, labels, real = logits.float().cpu(), batch["labels"], batch["row"] >= 0
+        loss_x_rows += mean_loss(logits, labels, replica.config, real_rows(batch["row"])).item() * int(real.sum())
+        numbers, outputs = batch["row"][real].tolist(), outputs_of(logits, task)[real].tolist()
+        local += zip(numbers, outputs, labels[real].tolist(), strict=True)
     engine.train()  # training may go on mid-epoch
-    gathered: list[list] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, local)
-    return sorted(row for part in gathered for row in part)
-
-
-def validate(
-    engine, replica: Replica, spec: WorkerSpec, pad_id: int, device: torch.device
-) -> tuple[float, float, list[int]]:
-    """Exact loss, accuracy and row-ordered predictions over the whole validation split."""
-    rows = predicted(engine, replica, "validation", spec, pad_id, device)
-    return (sum(r[1] for r in rows) / len(rows), sum(r[2] == r[4] for r in rows) / len(rows), [r[2] for r in rows])
-
-
-def label_test_split(engine, replica: Replica, spec: WorkerSpec, pad_id: int, device: torch.device) -> Predictions:
-    """The test split as the trained engine labels it, for evaluation and the test split's batch
-    inference: the model is here already (1,066 rows: 3-4 s, against 8 s for a new process to load
-    the exported model and label them, and 10 s more for batch inference to do it again)."""
-    rows = predicted(engine, replica, "test", spec, pad_id, device)
-    return Predictions(labels=[r[2] for r in rows], scores=[r[3] for r in rows], truth=[r[4] for r in rows])
+    gathered: list[tuple[float, list]] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (loss_x_rows, local))
+    rows = sorted(row for _, part in gathered for row in part)
+    loss = sum(part_loss for part_loss, _ in gathered) / len(rows)
+    return loss, Predictions.of(task, [row[1] for row in rows], [row[2] for row in rows])
 
 
 def layer_parameter_mb(layers: list[torch.nn.Module]) -> float | None:
@@ -187,6 +168,8 @@ def export(replica: Replica, tokenizer, spec: WorkerSpec, result: Result) -> Non
         }
         config = copy.deepcopy(model.config)
         config.dtype = torch.float32  # transformers takes the saved dtype from the module's parameters
+        if result.thresholds is not None:  # what inference decides each label by (tasks/core/predictor.py)
+            config.label_thresholds = result.thresholds
         with tempfile.TemporaryDirectory() as folder:
             model.save_pretrained(folder, state_dict=weights)
             config.save_pretrained(folder)
@@ -197,13 +180,16 @@ def export(replica: Replica, tokenizer, spec: WorkerSpec, result: Result) -> Non
 
 
 def tick(point: Point, max_steps: int, samples_per_s: float) -> Tick:
+    scores = {"loss": point.loss} | ({"accuracy": point.accuracy} if point.accuracy is not None else {})
     return Tick(
         stage="train",
         done=point.step,
         total=max_steps,
         unit="steps",
-        metrics={"loss": point.loss, "accuracy": point.accuracy, "samples_per_s": samples_per_s},
-        text=f"epoch {point.epoch:.2f}, loss {point.loss:.4f}, accuracy {point.accuracy:.3f}, {samples_per_s:.1f} samples/s",
+        metrics=scores | {"samples_per_s": samples_per_s},
+        text=f"epoch {point.epoch:.2f}, "
+        + ", ".join(f"{name} {value:.4f}" for name, value in scores.items())
+        + f", {samples_per_s:.1f} samples/s",
     )
 
 
@@ -255,10 +241,10 @@ class Recipe:
         self.start_epoch, self.resumed_from = self.progress.epoch, self.engine.global_steps
         self.pad_id, self.meter, self.pin = (
             self.tokenizer.pad_token_id or 0,
-            Meter(self.device),
+            Meter(self.device, spec.targets.task),
             self.device.type == "cuda",
         )
-        self.predictions: list[int] | None = None  # the last validation's, by row
+        self.predictions: Predictions | None = None  # the last validation's, by row
         self.nodes: list[str] = [None] * dist.get_world_size()
         dist.all_gather_object(self.nodes, ray.get_runtime_context().get_node_id())
         # A lone worker has no gradient to all-reduce, yet ZeRO-0's backward flattens every gradient into
@@ -284,19 +270,19 @@ class Recipe:
         self.pulse("waiting for the first batch", self.engine.global_steps)
         for batch in islice(training_batches(rows, self.cfg, self.pad_id, epoch, pin=self.pin), stats.done, None):
             self.marks.first_batch = self.marks.first_batch or time.time()
-            real_rows = int((batch["labels"] != IGNORED).sum())  # this worker's, before its replica joins them
+            real = int((batch["row"] >= 0).sum())  # this worker's rows, before its replica joins them
             steps_before = self.engine.global_steps
-            for loss, logits, labels in self.replica.train(
+            for loss, logits, labels, rows in self.replica.train(
                 self.replica.join(batch, self.pad_id), self.device, self.cfg.activation_offload, self.no_sync
             ):
                 if self.replica.leads:
-                    self.meter.add(loss, logits, labels)
+                    self.meter.add(loss, logits, labels, rows)
                 stats.loss_sum += loss.detach().float()
             stats.done, stats.trained = stats.done + 1, stats.trained + 1
             if stats.trained == 1:
                 stats.first_done, self.marks.first_step = time.perf_counter(), self.marks.first_step or time.time()
             else:
-                stats.samples += real_rows
+                stats.samples += real
             if self.engine.global_steps > steps_before and self.after_step(epoch, stats):
                 break
         return stats
@@ -342,7 +328,8 @@ class Recipe:
         }
         if evaluated:
             point = self.progress.curve.validation[-1]
-            metrics |= {"val_loss": point.loss, "val_accuracy": point.accuracy, SCORE: point.score(self.cfg.monitor)}
+            metrics |= {"val_loss": point.loss, SCORE: point.score(self.cfg.monitor)}
+            metrics |= {"val_accuracy": point.accuracy} if point.accuracy is not None else {}
         return metrics
 
     def patience_spent(self) -> bool:
@@ -365,7 +352,8 @@ class Recipe:
 
     def validate(self, position: float) -> None:
         self.pulse("validating", self.engine.global_steps)
-        loss, accuracy, self.predictions = validate(self.engine, self.replica, self.spec, self.pad_id, self.device)
+        loss, self.predictions = predicted(self.engine, self.replica, "validation", self.spec, self.pad_id, self.device)
+        accuracy = self.predictions.accuracy
         self.progress.curve.validation.append(
             Point(step=self.engine.global_steps, epoch=round(position, 4), loss=loss, accuracy=accuracy)
         )
@@ -436,10 +424,13 @@ class Recipe:
         stopped = self.stop_reason()
         kept = self.keep()
         if self.predictions is None:  # a re-run of a finished run trains nothing; its export still needs them
-            self.predictions = validate(engine, self.replica, spec, self.pad_id, self.device)[2]
+            self.predictions = predicted(engine, self.replica, "validation", spec, self.pad_id, self.device)[1]
         self.pulse("labelling the test split", engine.global_steps)
+        # The test split predicted here, for evaluation and the test split's batch inference: the model
+        # is here already (1,066 rows: 3-4 s, against 8 s for a new process to load the exported model
+        # and label them, and 10 s more for batch inference to do it again).
         test = (
-            label_test_split(engine, self.replica, spec, self.pad_id, self.device)
+            predicted(engine, self.replica, "test", spec, self.pad_id, self.device)[1]
             if "test" in spec.evaluation
             else None
         )
@@ -448,12 +439,13 @@ class Recipe:
         result = Result(
             history=self.progress.history,
             curve=self.progress.curve,
-            validation_predictions=self.predictions,
+            validation=self.predictions,
             test=test,
             nodes=self.nodes,
             layer_parameter_mb=layer_parameter_mb(self.replica.layers()),
             marks=self.marks,
             stopped=stopped,
             kept=kept,
+            thresholds=tuned_thresholds(self.predictions) if spec.targets.task == "multi_label" else None,
         )
         export(self.replica, self.tokenizer, spec, result)

@@ -18,7 +18,7 @@ from tasks.core.data import SPLITS, Split, check_columns, expand_inputs, load_sp
 from tasks.core.layout import OutputFolder, RunStore, refuse_overlap
 from tasks.core.models import saved_model, training_model
 from tasks.core.storage import check_writable
-from tasks.promote.contract import resolve
+from tasks.promote.contract import check_champion_task, resolve
 
 
 def splits_of(cfg: DataConfig) -> dict[str, Split]:
@@ -75,6 +75,7 @@ def run_inputs(params: FinetuneParams, store: RunStore | None) -> RunInputs:
     )
     inputs = RunInputs(splits, inference, files_to_label(inference))
     check_writable(params.storage_root, "storage_root")
+    check_champion_task(params.storage_root, params.promotion.model_name, params.data.task)
     if store is not None:
         store.check()  # and outputs that would overwrite what ftflow did not write
     outputs = [
