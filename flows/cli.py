@@ -186,7 +186,7 @@ def infer(
     debug: Debug = False,
     **options: str | None,
 ) -> None:
-    """Label every row of INPUT with MODEL: the batch_infer flow; Parquet (id, text, label, score) in OUTPUT."""
+    """Label every row of INPUT with MODEL: the batch_infer flow; Parquet (id, text, the predictions) in OUTPUT."""
     given = {name: value(text) for name, text in options.items() if text is not None}
     try:
         params = BatchInferParams.model_validate(

@@ -249,19 +249,25 @@ TAGS = ["positive", "long", "short"]  # task_data's multi-label names
 @pytest.fixture(scope="session")
 def task_data(small_data, tmp_path_factory) -> dict[str, dict]:
     """small_data's texts with the targets of the other tasks, made from what the text says and its
-    length, so a tiny model learns some of them: multi-label tags (TAGS, a row may have none) and two
-    regression targets. Each task's DataConfig fields."""
+    length, so a tiny model learns some of them: multi-label tags (TAGS, a row may have none), read
+    with the next row's text as a pair, and two regression targets. Each task's DataConfig fields."""
     folder = tmp_path_factory.mktemp("task-data")
     tasks = {
-        "multi_label": {"task": "multi_label", "label_column": "tags", "label_names": TAGS},
+        "multi_label": {
+            "task": "multi_label",
+            "label_column": "tags",
+            "label_names": TAGS,
+            "text_pair_column": "next",
+        },
         "regression": {"task": "regression", "label_column": ["stars", "words"]},
     }
     for split, path in small_data.items():
         rows = read_jsonl(path)
-        for row in rows:
+        for i, row in enumerate(rows):
             words = len(row["text"].split())
             row["tags"] = [tag for tag, on in zip(TAGS, (row["label"], words > 25, words < 12), strict=True) if on]
             row["stars"], row["words"] = 1 + 3 * row["label"], words / 10
+            row["next"], row["next_id"] = rows[(i + 1) % len(rows)]["text"], f"{split}-{(i + 1) % len(rows)}"
         for fields in tasks.values():
             fields[f"{split}_uri"] = str(write_jsonl(folder / f"{split}.jsonl", rows))
     return tasks

@@ -322,6 +322,11 @@ TASK_INPUTS = {
         "text,label\na,1.5\nb,inf\n",
         "column 'label' has values that are not finite numbers: 'inf' at rows [1]",
     ),
+    "missing pair column": (
+        {"text_pair_column": "answer"},
+        [{"text": "a", "label": 1}, {"text": "b", "label": 0}],
+        "column 'answer' not found; columns are ['text', 'label']",
+    ),
     "constant target": (
         {"task": "regression"},
         [{"text": "a", "label": 2}, {"text": "b", "label": 2.0}],
@@ -349,6 +354,7 @@ def test_bad_targets_name_the_file_and_problem(tmp_path, case):
         ({"label_names": ["only"]}, "label_names: give at least two classes"),
         ({"label_column": ["a", "b"]}, "label_column: several columns are regression's outputs"),
         ({"label_separator": ","}, "label_separator: only multi_label splits labels, not single_label"),
+        ({"truncation": "only_second"}, "truncation: a single text has no side to choose; set text_pair_column"),
     ],
 )
 def test_a_task_that_does_not_fit_its_label_fields_is_refused(fields, message):

@@ -336,8 +336,9 @@ def test_a_timeout_that_lands_inside_ray_reads_as_the_timeout(ray_cluster):
     assert time.monotonic() - started < 10
 
 
-# Multi-label through a pipeline (its loss function gets the labels with the real rows' positions),
-# regression of two outputs through tensor parallelism (its workers join their float targets).
+# Multi-label of pairs of texts through a pipeline (its loss function gets the labels with the real
+# rows' positions; its first stage the token type ids), regression of two outputs through tensor
+# parallelism (its workers join their float targets).
 TASK_RUNS = {
     "multi_label": {"pipeline_parallel_size": 2, "max_steps": 24},
     "regression": {"tensor_parallel_size": 2, "max_steps": 64},
@@ -350,12 +351,13 @@ def test_finetune_of_another_task_trains_on_its_loss_and_writes_what_the_task_me
 ):
     """Trained on transformers' loss for the task, through a model-parallel strategy; evaluated, gated
     and reported with the task's metrics; its predictions written as the task means them, the exported
-    model's own (its thresholds with it)."""
+    model's own (its thresholds with it); a pair's two texts and their ids written beside them."""
     data = DataConfig(**task_data[task])
     run = FinetuneParams(
         data=data,
         model=ModelConfig(name_or_path=str(tiny_model), max_length=64),
         train=TrainConfig(epochs=1, batch_size=16, learning_rate=2e-3, num_workers=2, **TASK_RUNS[task]),
+        inference={"pair_id_column": "next_id"} if data.text_pair_column else {},
         storage_root=str(tmp_path / "store"),
     )
     summary = finetune(run)
@@ -372,8 +374,15 @@ def test_finetune_of_another_task_trains_on_its_loss_and_writes_what_the_task_me
     assert predictor.targets == data.targets
     written = pq.read_table(storage.join(summary.run_dir, "predictions")).to_pandas().set_index("id")
     written = written.loc[[f"test.jsonl:{i}" for i in range(128)]]
-    outputs = predictor.outputs(written["text"].tolist())
+    pairs = written["text_pair"].tolist() if data.text_pair_column else None
+    outputs = predictor.outputs(written["text"].tolist(), pairs)
     if task == "multi_label":
+        texts = written["text"].tolist()
+        assert pairs == texts[1:] + texts[:1] and written["pair_id"].tolist() == [
+            f"test-{(i + 1) % 128}" for i in range(128)
+        ]
+        shards = pq.read_table(manifest["outputs"]["tokenized"]["train"]).to_pydict()
+        assert all(types[0] == 0 and types[-1] == 1 for types in shards["token_type_ids"]), "a pair: two segments"
         assert predictor.thresholds == training["thresholds"] and len(predictor.thresholds) == 3
         assert np.allclose(np.stack(written["scores"]), outputs, atol=1e-4)
         decided = [

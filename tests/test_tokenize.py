@@ -23,6 +23,7 @@ from tasks.core.cluster import Resources
 from tasks.core.config import DataConfig
 from tasks.core.data import load_splits
 from tasks.core.layout import CLAIM, MARKER
+from tasks.core.text import encoded, truncating
 from tasks.core.train_config import TrainConfig
 from tasks.tokenize.driver import load_tokenizer, tokenize_key
 from tasks.tokenize.task import tokenize
@@ -189,3 +190,15 @@ def test_a_model_that_is_not_there_is_said_plainly(tmp_path, given, message):
     with pytest.raises(ValueError) as refused:
         load_tokenizer(given.format(tmp=tmp_path))
     assert str(refused.value).startswith(message.format(tmp=tmp_path))
+
+
+@pytest.mark.parametrize(("side", "whole"), [("only_second", 0), ("only_first", 1)])
+def test_a_pair_is_two_segments_truncated_on_the_side_asked(tiny_model, side, whole):
+    """The other text keeps every token; longest_first (the default) takes from the longer one first."""
+    tokenizer = load_tokenizer(str(tiny_model))
+    texts = ["a fine film with a fine cast " * 6, "dull " * 40]
+    alone = [len(tokenizer(text)["input_ids"]) - 2 for text in texts]  # without [CLS] and [SEP]
+    ids, types = encoded(truncating(tokenizer, 48, side), [texts[0]], [texts[1]])
+    assert len(ids[0]) == 48 and types[0].count(whole) == alone[whole] + (2 if whole == 0 else 1)
+    _, [balanced] = encoded(truncating(tokenizer, 48), [texts[0]], [texts[1]])
+    assert abs(balanced.count(0) - 1 - balanced.count(1)) <= 1, "longest_first trims both to about the same length"

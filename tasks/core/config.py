@@ -15,7 +15,7 @@ from pydantic import AfterValidator, Field, field_validator, model_validator
 
 from tasks.core.layout import safe_name
 from tasks.core.strict import DEVICE, Device, Strict
-from tasks.core.targets import LOWER_IS_BETTER, METRICS, Targets, Task
+from tasks.core.targets import LOWER_IS_BETTER, METRICS, Targets, Task, Truncation
 from tasks.core.train_config import TrainConfig
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
@@ -64,6 +64,16 @@ class DataConfig(Strict):
         "included; regression: a number per text (per label column).",
     )
     text_column: str = "text"
+    text_pair_column: str | None = Field(
+        None,
+        description="A column holding each row's second text: the two are read as a pair (question and answer, "
+        "two records), for any task. Default: one text per row.",
+    )
+    truncation: Truncation = Field(
+        "longest_first",
+        description="Which text of a pair loses tokens past model.max_length: longest_first takes them from the "
+        "longer one, a token at a time (transformers' default); only_first or only_second from that one alone.",
+    )
     label_column: str | list[str] = Field(
         "label", description="The column holding the target; regression may name several, one output each."
     )
@@ -101,6 +111,11 @@ class DataConfig(Strict):
                 f"label_separator: only multi_label splits labels, not {task}",
             ),
             (self.label_separator == "", "label_separator: an empty separator splits nothing"),
+            (
+                self.truncation != "longest_first" and self.text_pair_column is None,
+                "truncation: a single text has no side to choose; set text_pair_column",
+            ),
+            (self.text_pair_column == self.text_column, "text_pair_column: the second text must be another column"),
         ]
         problem = next((message for found, message in problems if found), None)
         if problem:
@@ -109,10 +124,11 @@ class DataConfig(Strict):
 
     @property
     def targets(self) -> Targets:
+        pairs = self.truncation if self.text_pair_column else None
         if self.task == "regression":
             columns = [self.label_column] if isinstance(self.label_column, str) else self.label_column
-            return Targets(task="regression", names=tuple(columns))
-        return Targets(task=self.task, names=tuple(self.label_names or SHIPPED_LABELS))
+            return Targets(task="regression", names=tuple(columns), pairs=pairs)
+        return Targets(task=self.task, names=tuple(self.label_names or SHIPPED_LABELS), pairs=pairs)
 
 
 class ModelConfig(Strict):
@@ -143,7 +159,13 @@ class InferenceConfig(Strict):
         description="Files to label: files, directories or globs (local or s3://), or a list of them; default: the test split.",
     )
     text_column: str | None = Field(None, description="The column holding the text; default: the data's, else 'text'.")
+    text_pair_column: str | None = Field(
+        None, description="A pair model's second text: the column holding it; default: the data's."
+    )
     id_column: str | None = Field(None, description="Column holding row ids; default: '<file>:<row>'.")
+    pair_id_column: str | None = Field(
+        None, description="Pairs: a column holding the second text's id, written beside the row's as pair_id."
+    )
     batch_size: int = Field(64, ge=1, description="Rows per forward pass (evaluation's too).")
     actors: int | None = Field(
         None,
@@ -257,6 +279,12 @@ class FinetuneParams(Strict):
         "Letters, digits, '.', '_', '-'; the same id resumes that run.",
     )
     ray_address: str | None = Field(None, description=RAY_ADDRESS)
+
+    @model_validator(mode="after")
+    def _inference_reads_what_training_read(self) -> FinetuneParams:
+        if self.inference.text_pair_column and not self.data.text_pair_column:
+            raise ValueError("inference.text_pair_column: the model reads one text a row (data.text_pair_column unset)")
+        return self
 
     @model_validator(mode="after")
     def _promotion_scores_the_task(self) -> FinetuneParams:

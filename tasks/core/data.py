@@ -209,15 +209,13 @@ def columns_of(uri: str, fmt: str = "auto") -> list[str] | None:
         return None if first is None else list(first.columns)
 
 
-def check_columns(files: list[str], text_column: str, id_column: str | None) -> None:
-    """Each file, read as its format, holds the text (and id) column."""
+def check_columns(files: list[str], columns: Sequence[str]) -> None:
+    """Each file, read as its format, holds the columns."""
     for uri in files:
-        columns = columns_of(uri)
-        missing = [
-            column for column in (text_column, id_column) if column and columns is not None and column not in columns
-        ]
+        found = columns_of(uri)
+        missing = [column for column in columns if found is not None and column not in found]
         if missing:
-            raise DataError(f"{uri}: column '{missing[0]}' not found; columns are {columns}")
+            raise DataError(f"{uri}: column '{missing[0]}' not found; columns are {found}")
 
 
 def rows_per_byte(uri: str, fmt: str = "auto", sample_bytes: int = 1 << 20) -> float:
@@ -276,15 +274,31 @@ class Schema:
     task: str
     label_names: tuple[str, ...]  # the outputs' names: classes, labels, or the label columns
     label_separator: str | None = None
+    text_pair_column: str | None = None
+    truncation: str = "longest_first"  # which text of a pair loses tokens
 
     @classmethod
     def of(cls, cfg: DataConfig) -> Schema:
         columns = (cfg.label_column,) if isinstance(cfg.label_column, str) else tuple(cfg.label_column)
-        return cls(cfg.format, cfg.text_column, columns, cfg.task, cfg.targets.names, cfg.label_separator)
+        return cls(
+            cfg.format,
+            cfg.text_column,
+            columns,
+            cfg.task,
+            cfg.targets.names,
+            cfg.label_separator,
+            cfg.text_pair_column,
+            cfg.truncation,
+        )
+
+    @property
+    def text_columns(self) -> tuple[str, ...]:
+        return (self.text_column, self.text_pair_column) if self.text_pair_column else (self.text_column,)
 
     @property
     def targets(self) -> Targets:
-        return Targets(task=self.task, names=self.label_names)
+        pairs = self.truncation if self.text_pair_column else None
+        return Targets(task=self.task, names=self.label_names, pairs=pairs)
 
 
 @dataclass(frozen=True)
@@ -353,22 +367,28 @@ class Split:
         return frozenset(i for i, total in enumerate(self.tally.sums) if total > 0)
 
 
-def _checked(uri: str, frame: pd.DataFrame, schema: Schema) -> pd.DataFrame:
-    for column in (schema.text_column, *schema.label_columns):
-        if column not in frame.columns:
-            raise DataError(f"{uri}: column '{column}' not found; columns are {list(frame.columns)}")
-    texts = frame[schema.text_column]
+def check_texts(uri: str, texts: pd.Series) -> None:
     not_text = ~texts.map(lambda t: isinstance(t, str))
     if not_text.any():
-        raise DataError(f"{uri}: column '{schema.text_column}' has non-string values at {rows_of(not_text)}")
+        raise DataError(f"{uri}: column '{texts.name}' has non-string values at {rows_of(not_text)}")
     blank = texts.str.strip() == ""
     if blank.any():
-        raise DataError(f"{uri}: column '{schema.text_column}' has empty texts at {rows_of(blank)}")
+        raise DataError(f"{uri}: column '{texts.name}' has empty texts at {rows_of(blank)}")
+
+
+def _checked(uri: str, frame: pd.DataFrame, schema: Schema) -> pd.DataFrame:
+    """A chunk's rows as (text[, text_pair], label), each checked."""
+    for column in (*schema.text_columns, *schema.label_columns):
+        if column not in frame.columns:
+            raise DataError(f"{uri}: column '{column}' not found; columns are {list(frame.columns)}")
+    for column in schema.text_columns:
+        check_texts(uri, frame[column])
     try:
         label = schema.targets.parse(frame[list(schema.label_columns)], schema.label_separator)
     except TargetError as error:
         raise DataError(f"{uri}: {error}") from None
-    return pd.DataFrame({"text": texts, "label": label})
+    texts = dict(zip(("text", "text_pair"), (frame[column] for column in schema.text_columns), strict=False))
+    return pd.DataFrame(texts | {"label": label})
 
 
 def labelled_frames(

@@ -16,7 +16,7 @@ from tasks.core.attention import without_cudnn_attention
 from tasks.core.first_token import last_layer_at_first_token
 from tasks.core.objective import outputs_of
 from tasks.core.targets import Targets, task_of
-from tasks.core.text import local_model, padded, truncating
+from tasks.core.text import encoded, local_model, padded, truncating
 from tasks.evaluate.contract import THRESHOLD
 
 
@@ -43,12 +43,14 @@ class Predictor:
         last_layer_at_first_token(self.model)
         config = self.model.config
         self.targets = Targets(
-            task=task_of(config.problem_type), names=tuple(config.id2label[i] for i in range(config.num_labels))
+            task=task_of(config.problem_type),
+            names=tuple(config.id2label[i] for i in range(config.num_labels)),
+            pairs=getattr(config, "text_pair_truncation", None),
         )
         self.thresholds = getattr(config, "label_thresholds", None) or [THRESHOLD] * self.targets.width
         self.batch_size = batch_size
         max_length = min(tokenizer.model_max_length, getattr(self.model.config, "max_position_embeddings", 512))
-        self.encoder = truncating(tokenizer, max_length)
+        self.encoder = truncating(tokenizer, max_length, self.targets.pairs or "longest_first")
         self.pad_id = tokenizer.pad_token_id or 0  # any id does: the attention mask hides it
 
     @property
@@ -56,19 +58,26 @@ class Predictor:
         return list(self.targets.names)
 
     @torch.inference_mode()
-    def outputs(self, texts: list[str]) -> np.ndarray:
-        """Per text, in order: its class probabilities, each label's probability, or its numbers."""
-        encoded = [encoding.ids for encoding in self.encoder.encode_batch(texts)]
-        lengths = np.array([len(ids) for ids in encoded], dtype=np.int64)
+    def outputs(self, texts: list[str], pairs: list[str] | None = None) -> np.ndarray:
+        """Per text (or pair of texts, for a model trained on pairs), in order: its class
+        probabilities, each label's probability, or its numbers."""
+        if (pairs is None) != (self.targets.pairs is None):
+            raise ValueError(f"the model reads {'pairs of texts' if self.targets.pairs else 'one text'} a row")
+        ids, types = encoded(self.encoder, texts, pairs)
+        lengths = np.array([len(row) for row in ids], dtype=np.int64)
         order = np.argsort(lengths, kind="stable")
         found = np.empty((len(texts), self.targets.width), dtype=np.float32)
         for start in range(0, len(texts), self.batch_size):
             chunk = order[start : start + self.batch_size]
-            input_ids, attention_mask = self.padded([encoded[i] for i in chunk], lengths[chunk])
-            logits = self.model(input_ids=input_ids, attention_mask=attention_mask).logits
-            found[chunk] = outputs_of(logits, self.targets.task).cpu().numpy()
+            inputs = self.padded(
+                [ids[i] for i in chunk], lengths[chunk], None if types is None else [types[i] for i in chunk]
+            )
+            found[chunk] = outputs_of(self.model(**inputs).logits, self.targets.task).cpu().numpy()
         return found
 
-    def padded(self, rows: list[list[int]], lengths: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    def padded(self, rows: list[list[int]], lengths: np.ndarray, types: list | None) -> dict[str, torch.Tensor]:
         input_ids, attention_mask = padded(rows, lengths, self.pad_id)
-        return torch.from_numpy(input_ids).to(self.device), torch.from_numpy(attention_mask).to(self.device)
+        inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
+        if types is not None:
+            inputs["token_type_ids"] = padded(types, lengths, 0)[0]
+        return {name: torch.from_numpy(array).to(self.device) for name, array in inputs.items()}

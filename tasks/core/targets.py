@@ -18,6 +18,7 @@ import pandas as pd
 from pydantic import BaseModel
 
 Task = Literal["single_label", "multi_label", "regression"]
+Truncation = Literal["longest_first", "only_first", "only_second"]  # which text of a pair loses tokens
 PROBLEM_TYPES: dict[str, str] = {
     "single_label": "single_label_classification",
     "multi_label": "multi_label_classification",
@@ -44,11 +45,13 @@ class TargetError(ValueError):
 
 
 class Targets(BaseModel, frozen=True):
-    """A task and the names of its model's outputs, in id order: classes (single_label), labels
-    (multi_label) or the target columns (regression)."""
+    """What a model of the task reads and says: the names of its outputs, in id order (classes for
+    single_label, labels for multi_label, the target columns for regression), and whether it reads a
+    pair of texts (`pairs`: which of the two loses tokens past the length; None: one text)."""
 
     task: Task = "single_label"
     names: tuple[str, ...]
+    pairs: Truncation | None = None
 
     @property
     def width(self) -> int:

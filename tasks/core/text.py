@@ -6,12 +6,15 @@ from __future__ import annotations
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import numpy as np
 from tokenizers import Tokenizer
-from transformers import PreTrainedTokenizerBase
 
 from tasks.core import storage
+
+if TYPE_CHECKING:  # transformers is 4 s of import: the tokenizing workers need none of it
+    from transformers import PreTrainedTokenizerBase
 
 
 @contextmanager
@@ -26,15 +29,23 @@ def local_model(model_uri: str) -> Iterator[str]:
         yield str(storage.download_dir(model_uri, folder))
 
 
-def truncating(tokenizer: PreTrainedTokenizerBase, max_length: int) -> Tokenizer:
-    """The fast tokenizer's Rust core, set to encode as `tokenizer(texts, truncation=True,
-    max_length=max_length)` does, without padding. Called on a whole list at once it skips the
-    Python work transformers does per call (a third of a small model's inference time), and it
-    unpickles in Ray workers without importing transformers."""
+def truncating(tokenizer: PreTrainedTokenizerBase, max_length: int, pairs: str = "longest_first") -> Tokenizer:
+    """The fast tokenizer's Rust core, set to encode as `tokenizer(texts, truncation=pairs,
+    max_length=max_length)` does, without padding (`pairs`: which text of a pair loses tokens). Called
+    on a whole list at once it skips the Python work transformers does per call (a third of a small
+    model's inference time), and it unpickles in Ray workers without importing transformers."""
     core = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
-    core.enable_truncation(max_length, direction=tokenizer.truncation_side)
+    core.enable_truncation(max_length, strategy=pairs, direction=tokenizer.truncation_side)
     core.no_padding()
     return core
+
+
+def encoded(tokenizer: Tokenizer, texts: list[str], pairs: list[str] | None) -> tuple[list, list | None]:
+    """Token ids of texts, or of pairs of texts ([CLS] a [SEP] b [SEP]) with their token type ids
+    (None for single texts)."""
+    encodings = tokenizer.encode_batch(list(zip(texts, pairs, strict=True)) if pairs is not None else texts)
+    ids = [encoding.ids for encoding in encodings]
+    return ids, [encoding.type_ids for encoding in encodings] if pairs is not None else None
 
 
 def padded(rows: list, lengths: np.ndarray, pad_id: int) -> tuple[np.ndarray, np.ndarray]:

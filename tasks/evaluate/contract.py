@@ -131,9 +131,7 @@ class MultiLabelMetrics(BaseModel):
             )
         ]
         return cls(
-            micro_f1=float(
-                f1_scores(hits.sum(keepdims=True), predicted.sum(keepdims=True), actual.sum(keepdims=True))[0]
-            ),
+            micro_f1=float(f1_scores(*(np.atleast_1d(count.sum()) for count in (hits, predicted, actual)))[0]),
             macro_f1=float(f1.mean()),
             subset_accuracy=float((decided == truth).all(1).mean()),
             labels=labels,
@@ -233,7 +231,7 @@ def ranks(values: np.ndarray) -> np.ndarray:
 
 def correlation(a: np.ndarray, b: np.ndarray) -> float:
     """Pearson's r; 0 where either side is constant (r is not defined there)."""
-    if a.std() == 0 or b.std() == 0:
+    if np.ptp(a) == 0 or np.ptp(b) == 0:
         return 0.0
     return float(np.corrcoef(a, b)[0, 1])
 

@@ -15,7 +15,7 @@ from tasks.core import cluster, jobs, layout, storage
 from tasks.core.config import InferenceConfig
 from tasks.core.data import cut, expand_inputs, numbered, rows_per_byte
 from tasks.core.progress import Tick, log_tick, tallied
-from tasks.infer.contract import Labelled
+from tasks.infer.contract import Labelled, Reading
 from tasks.infer.labels import completed, file_names
 from tasks.infer.worker import Counts, Labeller, Part
 
@@ -53,8 +53,7 @@ def labelled(model_uri: str, cfg: InferenceConfig, output_uri: str) -> Labelled:
                 "model_uri": model_uri,
                 "output": (out_path, out_fs),
                 "job": job,
-                "text_column": text_column,
-                "id_column": cfg.id_column,
+                "reading": Reading.of(cfg),
                 "window_rows": cfg.window_rows,
                 "batch_size": cfg.batch_size,
                 "threads": max(1, round(cpus)),

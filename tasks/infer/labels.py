@@ -20,7 +20,7 @@ from tasks.core import layout, storage
 from tasks.core.config import InferenceConfig
 from tasks.core.data import Split, iter_frames
 from tasks.core.targets import Targets
-from tasks.infer.contract import Labelled, labels_schema
+from tasks.infer.contract import Labelled, Reading, labels_schema
 from tasks.train.contract import Predictions
 
 
@@ -43,11 +43,10 @@ def columns(targets: Targets, thresholds: list[float], outputs: np.ndarray) -> d
 
 
 def labels_table(
-    frame: pd.DataFrame, texts: list[str], predicted: dict, schema: pa.Schema, first_row: int, name: str, id_column
+    frame: pd.DataFrame, predicted: dict, schema: pa.Schema, first_row: int, name: str, reading: Reading
 ) -> pa.Table:
-    """A window of labelled rows: their ids (id_column's, else '<name>:<row>'), texts, and predictions."""
-    ids = frame[id_column].astype(str) if id_column else [f"{name}:{first_row + i}" for i in range(len(frame))]
-    return pa.table({"id": ids, "text": texts, **predicted}, schema=schema)
+    """A window of labelled rows: their ids and texts (Reading.rows), and the predictions."""
+    return pa.table(reading.rows(frame, first_row, name) | predicted, schema=schema)
 
 
 def completed(output: layout.OutputFolder, job: str, files: list[str], model_uri: str, cfg: InferenceConfig) -> int:
@@ -65,7 +64,9 @@ def completed(output: layout.OutputFolder, job: str, files: list[str], model_uri
             "inputs": {uri: storage.fingerprint(uri) for uri in files},
             "model": {"uri": model_uri, "fingerprint": storage.fingerprint(model_uri)},
             "text_column": cfg.text_column,
+            "text_pair_column": cfg.text_pair_column,
             "id_column": cfg.id_column,
+            "pair_id_column": cfg.pair_id_column,
         },
     )
     return rows
@@ -85,16 +86,15 @@ def from_predictions(
     started, output = time.perf_counter(), layout.OutputFolder(output_uri)
     job = output.start()
     out_path, out_fs = storage.pyarrow_filesystem(output_uri)
-    targets = test.schema.targets
-    schema = labels_schema(targets)
+    targets, reading = test.schema.targets, Reading.of(cfg)
+    schema = labels_schema(targets, reading.pair_id_column is not None)
     row = 0
     for part, (uri, name) in enumerate(file_names(list(test.uris)).items()):
         first_in_file = row
         with pq.ParquetWriter(f"{out_path}/{job}_{part:05d}.parquet", schema, filesystem=out_fs) as out:
             for frame in iter_frames(uri, test.schema.format, cfg.window_rows):
                 predicted = window_of(predictions, targets, thresholds, slice(row, row + len(frame)))
-                texts = frame[cfg.text_column].astype(str).tolist()
-                out.write_table(labels_table(frame, texts, predicted, schema, row - first_in_file, name, cfg.id_column))
+                out.write_table(labels_table(frame, predicted, schema, row - first_in_file, name, reading))
                 row += len(frame)
     if row != predictions.rows:
         raise RuntimeError(f"the test split has {row} rows and training labelled {predictions.rows}")

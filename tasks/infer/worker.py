@@ -23,7 +23,7 @@ from pydantic import BaseModel
 
 from tasks.core import progress
 from tasks.core.data import DataError, Piece, file_format, iter_frames, reading
-from tasks.infer.contract import labels_schema
+from tasks.infer.contract import Reading, labels_schema
 from tasks.infer.labels import columns, labels_table
 
 
@@ -65,8 +65,7 @@ class Labeller:
         model_uri: str,
         output: tuple[str, object],
         job: str,
-        text_column: str,
-        id_column: str | None,
+        reading: Reading,
         window_rows: int,
         batch_size: int,
         threads: int,
@@ -76,9 +75,9 @@ class Labeller:
         from tasks.core.predictor import Predictor  # torch and transformers: in the actor only, not its driver
 
         self.predictor = Predictor(model_uri, batch_size, threads, precision=precision)
-        self.schema = labels_schema(self.predictor.targets)
+        self.schema = labels_schema(self.predictor.targets, reading.pair_id_column is not None)
         (self.path, self.filesystem), self.job = output, job
-        self.text_column, self.id_column, self.window_rows = text_column, id_column, window_rows
+        self.reading, self.window_rows = reading, window_rows
         self.channel, self.me, self.counts = channel, uuid.uuid4().hex, Counts()
 
     def __call__(self, parts: pd.DataFrame) -> pd.DataFrame:
@@ -90,12 +89,11 @@ class Labeller:
             f"{self.path}/{self.job}_{part.part:05d}.parquet", self.schema, filesystem=self.filesystem
         ) as out:
             for frame in self.windows(piece):
-                texts = frame[self.text_column].astype(str).tolist()
                 predictor = self.predictor
-                predicted = columns(predictor.targets, predictor.thresholds, predictor.outputs(texts))
-                out.write_table(
-                    labels_table(frame, texts, predicted, self.schema, piece.file_row + seen, name, self.id_column)
+                predicted = columns(
+                    predictor.targets, predictor.thresholds, predictor.outputs(*self.reading.texts(frame))
                 )
+                out.write_table(labels_table(frame, predicted, self.schema, piece.file_row + seen, name, self.reading))
                 seen += len(frame)
                 self.counts.labelled += len(frame)
                 self.tally()
@@ -116,9 +114,7 @@ class Labeller:
         naming the file, which may be corrupt, or lack a column, past what the driver checked."""
         with reading(piece.uri, file_format(piece.uri)):
             for frame in iter_frames(piece.uri, chunk_rows=self.window_rows, piece=piece):
-                missing = [
-                    column for column in (self.text_column, self.id_column) if column and column not in frame.columns
-                ]
+                missing = [column for column in self.reading.columns if column not in frame.columns]
                 if missing:
                     raise DataError(f"{piece.uri}: column '{missing[0]}' not found")
                 yield frame

@@ -437,7 +437,7 @@ def publish_inference_report(model_ref: str, model_uri: str, parameters: dict, r
         "",
         f"Model: {named}",
         "",
-        f"Labels: {link(result.output_uri)} (Parquet: id, text, label, score; complete once "
+        f"Labels: {link(result.output_uri)} (Parquet: id, text and the model's predictions; complete once "
         f"`{layout.MARKER}` is there)",
         "",
         f"{result.files} input file(s), {result.rows:,} rows in {result.seconds:.1f} s ({result.rows_per_s:,.0f} rows/s).",

@@ -7,11 +7,12 @@ import pyarrow as pa
 
 from tasks.core.targets import Targets
 
-SHARD_COLUMNS = ("row", "label", "input_ids")
+SHARD_COLUMNS = ("row", "label", "input_ids", "token_type_ids")  # the last for pairs only
 
 
-def shard_schema(targets: Targets) -> pa.Schema:
+def shard_schema(targets: Targets, pairs: bool = False) -> pa.Schema:
     """A shard's row: its number in the split, its target (a class id; a multi-hot row or the numbers,
-    as floats), its token ids."""
+    as floats), its token ids, and for a pair of texts which text each token is of."""
     label = pa.int64() if targets.task == "single_label" else pa.list_(pa.float32())
-    return pa.schema({"row": pa.int64(), "label": label, "input_ids": pa.list_(pa.int32())})
+    types = {"token_type_ids": pa.list_(pa.int8())} if pairs else {}
+    return pa.schema({"row": pa.int64(), "label": label, "input_ids": pa.list_(pa.int32())} | types)

@@ -144,7 +144,8 @@ def tokenized_shards(key: TokenizeKey, splits: dict[str, Split], model_name_or_p
     output = layout.OutputFolder(key.target)
     output.check()
     job = output.start()  # leftovers of an interrupted attempt must not mix with this one
-    tokenizer = truncating(load_tokenizer(model_name_or_path), key.max_length)
+    pairs = splits["train"].schema.truncation
+    tokenizer = truncating(load_tokenizer(model_name_or_path), key.max_length, pairs)
     rows = _tokenize_splits(splits, tokenizer, uris, job)
     for name in SPLITS:
         if rows[name] != splits[name].total_rows:  # a file changed since it was checked

@@ -17,6 +17,7 @@ from tokenizers import Tokenizer
 
 from tasks.core import progress, storage
 from tasks.core.data import SPLITS, Piece, Schema, Split, labelled_frames
+from tasks.core.text import encoded
 from tasks.tokenize.contract import shard_schema
 
 SHARD_BYTES = 256 << 20  # the most input one task tokenizes into one Parquet file
@@ -59,19 +60,19 @@ def shards(splits: dict[str, Split], cpus: int) -> list[Shard]:
 
 def write_shard(shard: Shard, schema: Schema, tokenizer: Tokenizer, target: str, job: str, channel: str) -> int:
     """One shard's rows, checked and tokenized a chunk (CHUNK_ROWS) at a time, streamed into one
-    Parquet file of (row, label, input_ids) under target, a row group per chunk; returns the rows
+    Parquet file of (row, label, input_ids[, token_type_ids]) under target, a row group per chunk; returns the rows
     written, and tallies them on the channel as it goes. Named by the job (the output folder's record
     of its files) and the shard's number, a retried task overwrites its own file (and its tally)."""
     path, filesystem = storage.pyarrow_filesystem(target)
-    rows, me, written = 0, f"{shard.split}-{shard.index:05d}", shard_schema(schema.targets)
+    pairs = schema.text_pair_column is not None
+    rows, me, written = 0, f"{shard.split}-{shard.index:05d}", shard_schema(schema.targets, pairs)
     with pq.ParquetWriter(f"{path}/{job}_{shard.index:05d}.parquet", written, filesystem=filesystem) as out:
         for piece in shard.pieces:
             for frame in labelled_frames(piece.uri, schema, piece=piece):
-                ids = [encoding.ids for encoding in tokenizer.encode_batch(frame["text"].tolist())]
+                ids, types = encoded(tokenizer, frame["text"].tolist(), frame["text_pair"].tolist() if pairs else None)
                 row = piece.first_row - piece.file_row + frame.index.to_numpy()  # the file's row -> the split's
-                out.write_table(
-                    pa.table({"row": row, "label": frame["label"].tolist(), "input_ids": ids}, schema=written)
-                )
+                columns = {"row": row, "label": frame["label"].tolist(), "input_ids": ids}
+                out.write_table(pa.table(columns | ({"token_type_ids": types} if pairs else {}), schema=written))
                 rows += len(frame)
                 progress.tally(channel, me, Written(rows=rows))
     progress.tally(channel, me, Written(rows=rows, done=True))

@@ -36,13 +36,16 @@ def collate(batch: dict[str, np.ndarray], pad_id: int, pin: bool) -> dict[str, t
     """A Ray Data batch of tokenized rows -> padded host tensors (row numbers kept, for validation),
     in page-locked memory for a GPU, so that their copy to it runs beside the compute."""
     rows = list(batch["input_ids"])
-    input_ids, attention_mask = padded(rows, np.fromiter(map(len, rows), np.int64, len(rows)), pad_id)
+    lengths = np.fromiter(map(len, rows), np.int64, len(rows))
+    input_ids, attention_mask = padded(rows, lengths, pad_id)
     host = {
         "input_ids": torch.from_numpy(input_ids),
         "attention_mask": torch.from_numpy(attention_mask),
         "labels": torch.from_numpy(targets_of(batch["label"])),
         "row": torch.tensor(batch["row"], device="cpu"),
     }  # copies: Ray's arrays are read-only
+    if "token_type_ids" in batch:  # a pair of texts: which one each token is of
+        host["token_type_ids"] = torch.from_numpy(padded(list(batch["token_type_ids"]), lengths, 0)[0])
     return {key: tensor.pin_memory() for key, tensor in host.items()} if pin else host
 
 
@@ -97,15 +100,16 @@ def own_rows(split: EvaluationSplit, micro_batch: int) -> Iterator[dict[str, np.
     rank, workers = context.get_world_rank(), context.get_world_size()
     path, filesystem = storage.pyarrow_filesystem(split.uri)
     shards = pyarrow.dataset.dataset(path, filesystem=filesystem, format="parquet")
+    columns = [name for name in SHARD_COLUMNS if name in shards.schema.names]
     held: list[pa.RecordBatch] = []
-    for batch in shards.to_batches(columns=list(SHARD_COLUMNS)):
+    for batch in shards.to_batches(columns=columns):
         held.append(batch.filter(pa.array(batch.column("row").to_numpy() % workers == rank)))
         while sum(map(len, held)) >= micro_batch:
             first, rest = rows_of(pa.Table.from_batches(held), micro_batch)
             yield first
             held = rest.to_batches()
     if rank >= split.rows % workers > 0:
-        held += padding_rows(shards.head(1, columns=list(SHARD_COLUMNS)), 1).to_batches()
+        held += padding_rows(shards.head(1, columns=columns), 1).to_batches()
     if sum(map(len, held)):
         yield rows_of(pa.Table.from_batches(held), micro_batch)[0]
 
@@ -113,4 +117,4 @@ def own_rows(split: EvaluationSplit, micro_batch: int) -> Iterator[dict[str, np.
 def rows_of(table: pa.Table, count: int) -> tuple[dict[str, np.ndarray], pa.Table]:
     """The first `count` rows of a table as a Ray Data numpy batch would hold them, and the rest."""
     first = table.slice(0, count)
-    return {name: first.column(name).to_numpy() for name in SHARD_COLUMNS}, table.slice(count)
+    return {name: first.column(name).to_numpy() for name in table.column_names}, table.slice(count)

@@ -25,9 +25,10 @@ class Embeddings(nn.Module):
         super().__init__()
         self.embeddings = model.base_model.embeddings
 
-    def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        input_ids, mask = inputs
-        return self.embeddings(input_ids=input_ids), mask
+    def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input ids, attention mask[, token type ids of a pair of texts]) -> (hidden states, mask)."""
+        input_ids, mask, *types = inputs
+        return self.embeddings(input_ids=input_ids, token_type_ids=types[0] if types else None), mask
 
 
 class EncoderLayer(nn.Module):

@@ -18,7 +18,10 @@ def on(device: torch.device, tensor: torch.Tensor) -> torch.Tensor:
 
 
 def logits_of(engine, batch: dict, device: torch.device) -> torch.Tensor:
-    return engine(input_ids=on(device, batch["input_ids"]), attention_mask=on(device, batch["attention_mask"])).logits
+    inputs = {
+        name: on(device, batch[name]) for name in ("input_ids", "attention_mask", "token_type_ids") if name in batch
+    }
+    return engine(**inputs).logits
 
 
 def forward(engine, batch: dict, device: torch.device, config) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -58,7 +61,7 @@ class Replica:
         parts: list[dict] = [None] * dist.get_world_size(self.group)
         dist.all_gather_object(parts, batch, group=self.group)
         width = max(part["input_ids"].shape[1] for part in parts)
-        padding = {"input_ids": pad_id, "attention_mask": 0}
+        padding = {"input_ids": pad_id, "attention_mask": 0, "token_type_ids": 0}
         return {
             key: torch.cat(
                 [
@@ -113,7 +116,8 @@ class Replica:
         real rows (every one, where all are), which the loss needs (pipeline.pipe_loss)."""
         real = real_rows(batch["row"])
         real = torch.arange(len(batch["row"])) if real is None else real
-        inputs = on(device, batch["input_ids"]), on(device, batch["attention_mask"])
+        names = ("input_ids", "attention_mask", "token_type_ids")
+        inputs = tuple(on(device, batch[name]) for name in names if name in batch)
         return inputs, (on(device, batch["labels"]), on(device, real))
 
     def layers(self) -> list[torch.nn.Module]:

@@ -170,6 +170,8 @@ def export(replica: Replica, tokenizer, spec: WorkerSpec, result: Result) -> Non
         config.dtype = torch.float32  # transformers takes the saved dtype from the module's parameters
         if result.thresholds is not None:  # what inference decides each label by (tasks/core/predictor.py)
             config.label_thresholds = result.thresholds
+        if spec.targets.pairs:  # inference reads pairs of texts, truncated as training's were
+            config.text_pair_truncation = spec.targets.pairs
         with tempfile.TemporaryDirectory() as folder:
             model.save_pretrained(folder, state_dict=weights)
             config.save_pretrained(folder)

@@ -18,6 +18,7 @@ from tasks.core.data import SPLITS, Split, check_columns, expand_inputs, load_sp
 from tasks.core.layout import OutputFolder, RunStore, refuse_overlap
 from tasks.core.models import saved_model, training_model
 from tasks.core.storage import check_writable
+from tasks.infer.contract import Reading
 from tasks.promote.contract import check_champion_task, resolve
 
 
@@ -52,7 +53,8 @@ class RunInputs:
     def labels_test_split(self) -> bool:
         """Batch inference labels the test split's texts, which the trained engine labels for evaluation."""
         test = self.splits["test"]
-        return self.to_label == list(test.uris) and self.inference.text_column == test.schema.text_column
+        reads = (self.inference.text_column, self.inference.text_pair_column)
+        return self.to_label == list(test.uris) and reads == (test.schema.text_column, test.schema.text_pair_column)
 
     def by_field(self) -> dict[str, list[str]]:
         """The files read, by the field that named them."""
@@ -71,6 +73,7 @@ def run_inputs(params: FinetuneParams, store: RunStore | None) -> RunInputs:
         update={
             "input_uri": params.inference.input_uri or list(splits["test"].uris),
             "text_column": params.inference.text_column or params.data.text_column,
+            "text_pair_column": params.inference.text_pair_column or params.data.text_pair_column,
         }
     )
     inputs = RunInputs(splits, inference, files_to_label(inference))
@@ -92,6 +95,7 @@ def batch_infer_inputs(params: BatchInferParams) -> str:
     model's folder, no files, one that cannot be read or lacks the text or id column, an output among
     the inputs or the model, an output folder holding files ftflow did not write."""
     model_uri = saved_model(resolve(params.model_uri, params.storage_root or default_storage_root()), "model_uri")
+    check_pairs(model_uri, params.text_pair_column)
     inputs = [params.input_uri] if isinstance(params.input_uri, str) else params.input_uri
     refuse_overlap([params.output_uri], [model_uri, *inputs, *files_to_label(params)])
     check_writable(params.output_uri, "output_uri")
@@ -99,16 +103,24 @@ def batch_infer_inputs(params: BatchInferParams) -> str:
     return model_uri
 
 
+def check_pairs(model_uri: str, text_pair_column: str | None) -> None:
+    """A model trained on pairs of texts labels pairs, one trained on single texts single texts."""
+    pairs = storage.read_json(storage.join(model_uri, "config.json")).get("text_pair_truncation")
+    if bool(pairs) != bool(text_pair_column):
+        reads = "pairs of texts: name the column of each row's second text" if pairs else "one text a row"
+        raise ValueError(f"text_pair_column: {model_uri} reads {reads}")
+
+
 def files_to_label(cfg: InferenceConfig) -> list[str]:
     """cfg's files, each holding the text (and id) column; read once per process while they are
     unchanged, as splits_of reads the splits: `ftflow run` and `ftflow infer` check them before
     Prefect starts, and their flow finds them checked."""
     found = tuple((uri, storage.fingerprint(uri)) for uri in expand_inputs(cfg.input_uri))
-    return list(_columns_checked(found, cfg.text_column or "text", cfg.id_column))
+    return list(_columns_checked(found, tuple(Reading.of(cfg).columns)))
 
 
 @functools.lru_cache(maxsize=2)
-def _columns_checked(found: tuple, text_column: str, id_column: str | None) -> tuple[str, ...]:  # found: the key
+def _columns_checked(found: tuple, columns: tuple[str, ...]) -> tuple[str, ...]:  # found: the key
     files = [uri for uri, _ in found]
-    check_columns(files, text_column, id_column)
+    check_columns(files, columns)
     return tuple(files)
