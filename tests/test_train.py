@@ -33,7 +33,7 @@ from tasks.train.contract import STATE_FILE, Result
 from tasks.train.plan import planned
 from tasks.train.task import train
 
-LABELS = ["negative", "positive"]
+LABELS = Targets(names=("negative", "positive"))
 
 
 @pytest.fixture(scope="module")
@@ -83,8 +83,7 @@ def assert_model_is_the_trained_engine(model_dir: Path, uris: dict, val_accuracy
 
 
 def fit(uris: dict, model: Path, cfg: TrainConfig, run_dir: Path | str) -> Result:
-    targets = Targets(names=tuple(LABELS))
-    return train(uris, ModelConfig(name_or_path=str(model), max_length=64), targets, cfg, RunStore.at(str(run_dir)))
+    return train(uris, ModelConfig(name_or_path=str(model), max_length=64), LABELS, cfg, RunStore.at(str(run_dir)))
 
 
 STRATEGIES = {
@@ -141,7 +140,7 @@ def check_export(result: Result, cfg: TrainConfig, run_dir: Path, uris: dict, ti
         initial["bert.encoder.layer.0.attention.self.query.weight"],
         exported.state_dict()["bert.encoder.layer.0.attention.self.query.weight"],
     )
-    assert exported.config.id2label == dict(enumerate(LABELS))
+    assert exported.config.id2label == dict(enumerate(LABELS.names))
     assert exported.dtype == torch.float32  # whatever the engine's precision: a bf16 model on a CPU is 2.4x slower
     if (split := cfg.tensor_parallel_size * cfg.pipeline_parallel_size) > 1:
         # The encoder layers' parameters a worker holds: 1/tp of each (the LayerNorms stay whole: ~1%),
@@ -402,7 +401,7 @@ tokenized, model, cfg, run_dir = json.loads(sys.argv[1]), sys.argv[2], TrainConf
 cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
 sizes = {cluster.add_node(num_cpus=cpus).node_id: cpus for cpus in (3, 2)}
 ray.init(address=cluster.address)
-result = fit(tokenized, ModelConfig(name_or_path=model, max_length=64), ["negative", "positive"], cfg, RunStore.at(run_dir))
+result = fit(tokenized, ModelConfig(name_or_path=model, max_length=64), Targets(names=("negative", "positive")), cfg, RunStore.at(run_dir))
 placed = {"node_cpus": [sizes.get(node, 1) for node in result.nodes], "result": result.model_dump(mode="json")}
 Path(sys.argv[5]).write_text(json.dumps(placed))  # a file: Ray's workers' log lines reach stdout at any time
 ray.shutdown()

@@ -288,8 +288,9 @@ class FinetuneParams(Strict):
 
     @model_validator(mode="after")
     def _promotion_scores_the_task(self) -> FinetuneParams:
-        """promotion.metric one of the task's (its first where unset), as the run records it."""
-        self.promotion = self.promotion.of_task(self.data.task)
+        """promotion.metric one of the task's (unset: its first, which the gate resolves). Not set here:
+        a deployment's parameters are what its file sets, and nothing more."""
+        self.promotion.of_task(self.data.task)
         return self
 
     @model_validator(mode="after")
