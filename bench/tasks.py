@@ -100,7 +100,8 @@ def emobank(folder: Path, rows: int, epochs: int) -> None:
 
 def pairs(folder: Path, rows: int, epochs: int) -> None:
     """Tokenization and batch inference of pairs against single texts of the same words."""
-    reviews = [json.loads(line) for line in (DATA / "rotten_tomatoes" / "train.jsonl").read_text().splitlines()]
+    lines = (DATA / "rotten_tomatoes" / "train.jsonl").read_text().strip().split("\n")  # texts hold U+2028
+    reviews = [json.loads(line) for line in lines]
     random.Random(0).shuffle(reviews)
     reviews = reviews[: min(rows, len(reviews))]
     paired = [

@@ -59,7 +59,7 @@ def finetune(params: FinetuneParams = FinetuneParams()) -> RunSummary:
     import_beside(params.storage_root)  # MLflow's, for track() at the end
     with took("train"):
         training = train.with_options(timeout_seconds=params.train.timeout_s)(
-            ready.tokenized, params.model, params.data.targets, params.train, store, params.ray_address
+            ready.tokenized, params.model, ready.inputs.splits["train"].targets, params.train, store, params.ray_address
         )
     return concluded(params, store, ready, Trained(result=training), took)
 

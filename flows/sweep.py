@@ -27,7 +27,7 @@ def sweep(params: SweepParams = SweepParams()) -> RunSummary:  # noqa: B008 -- a
         trials = sweep_trials(
             ready.tokenized,
             params.model,
-            params.data.targets,
+            ready.inputs.splits["train"].targets,
             params.train,
             params.sweep,
             store,

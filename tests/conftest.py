@@ -250,7 +250,7 @@ TAGS = ["positive", "long", "short"]  # task_data's multi-label names
 def task_data(small_data, tmp_path_factory) -> dict[str, dict]:
     """small_data's texts with the targets of the other tasks, made from what the text says and its
     length, so a tiny model learns some of them: multi-label tags (TAGS, a row may have none), read
-    with the next row's text as a pair, and two regression targets. Each task's DataConfig fields."""
+    with the next row's text as a pair, and three regression targets. Each task's DataConfig fields."""
     folder = tmp_path_factory.mktemp("task-data")
     tasks = {
         "multi_label": {
@@ -259,14 +259,14 @@ def task_data(small_data, tmp_path_factory) -> dict[str, dict]:
             "label_names": TAGS,
             "text_pair_column": "next",
         },
-        "regression": {"task": "regression", "label_column": ["stars", "words"]},
+        "regression": {"task": "regression", "label_column": ["stars", "words", "letters"]},
     }
     for split, path in small_data.items():
         rows = read_jsonl(path)
         for i, row in enumerate(rows):
             words = len(row["text"].split())
             row["tags"] = [tag for tag, on in zip(TAGS, (row["label"], words > 25, words < 12), strict=True) if on]
-            row["stars"], row["words"] = 1 + 3 * row["label"], words / 10
+            row["stars"], row["words"], row["letters"] = 1 + 3 * row["label"], words / 10, len(row["text"]) / 100
             row["next"], row["next_id"] = rows[(i + 1) % len(rows)]["text"], f"{split}-{(i + 1) % len(rows)}"
         for fields in tasks.values():
             fields[f"{split}_uri"] = str(write_jsonl(folder / f"{split}.jsonl", rows))

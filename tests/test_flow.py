@@ -337,11 +337,11 @@ def test_a_timeout_that_lands_inside_ray_reads_as_the_timeout(ray_cluster):
 
 
 # Multi-label of pairs of texts through a pipeline (its loss function gets the labels with the real
-# rows' positions; its first stage the token type ids), regression of two outputs through tensor
-# parallelism (its workers join their float targets).
+# rows' positions; its first stage the token type ids); regression of three outputs under ZeRO-3 (the
+# model loaded partitioned, its classifier of 2 labels replaced by one of 3 outputs).
 TASK_RUNS = {
-    "multi_label": {"pipeline_parallel_size": 2, "max_steps": 24},
-    "regression": {"tensor_parallel_size": 2, "max_steps": 64},
+    "multi_label": {"pipeline_parallel_size": 2, "max_steps": 64},
+    "regression": {"zero_stage": 3, "max_steps": 64},
 }
 
 
@@ -367,8 +367,7 @@ def test_finetune_of_another_task_trains_on_its_loss_and_writes_what_the_task_me
         storage.read_json(storage.join(summary.run_dir, "model", "training_state.json")),
     )
     assert metrics["task"] == task and summary.test == {name: metrics[name] for name in summary.test}
-    first, last = training["curve"]["train"][0], training["curve"]["train"][-1]
-    assert last["loss"] < 0.95 * first["loss"], f"training loss {first['loss']:.4f} -> {last['loss']:.4f}"
+    assert manifest["metrics"]["promotion"]["promoted"], "above the floor of a model that learned nothing"
 
     predictor = Predictor(storage.join(summary.run_dir, "model"), batch_size=64)
     assert predictor.targets == data.targets
@@ -376,6 +375,7 @@ def test_finetune_of_another_task_trains_on_its_loss_and_writes_what_the_task_me
     written = written.loc[[f"test.jsonl:{i}" for i in range(128)]]
     pairs = written["text_pair"].tolist() if data.text_pair_column else None
     outputs = predictor.outputs(written["text"].tolist(), pairs)
+    assert (outputs.std(0) > 1e-3).all(), "outputs that depend on the text, not one for every row (a collapse)"
     if task == "multi_label":
         texts = written["text"].tolist()
         assert pairs == texts[1:] + texts[:1] and written["pair_id"].tolist() == [
@@ -396,8 +396,8 @@ def test_finetune_of_another_task_trains_on_its_loss_and_writes_what_the_task_me
         assert {"micro_f1", "macro_f1", "subset_accuracy"} <= set(metrics) and len(metrics["labels"]) == 3
         floor, plot = "giving each label to every row or to none, as most training rows have it or not", "labels.png"
     else:
-        assert np.allclose(written[["stars", "words"]].to_numpy(), outputs, atol=1e-4)
-        assert [output["name"] for output in metrics["outputs"]] == ["stars", "words"]
+        assert np.allclose(written[["stars", "words", "letters"]].to_numpy(), outputs, atol=1e-4)
+        assert [output["name"] for output in metrics["outputs"]] == ["stars", "words", "letters"]
         assert metrics["outputs"][1]["pearson"] > 0.3, f"the tiny model learns the length of a text: {metrics}"
         floor, plot = "predicting the training split's mean", "predicted-vs-true.png"
     assert floor in manifest["metrics"]["promotion"]["floor"]

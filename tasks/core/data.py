@@ -362,6 +362,11 @@ class Split:
         return sum(piece.rows for piece in self.pieces)
 
     @property
+    def targets(self) -> Targets:
+        """The schema's, with the split's means as the priors a model's classifier starts at."""
+        return self.schema.targets.model_copy(update={"priors": self.tally.means})
+
+    @property
     def classes(self) -> frozenset[int]:
         """The class or label ids some row has (classification)."""
         return frozenset(i for i, total in enumerate(self.tally.sums) if total > 0)

@@ -52,6 +52,9 @@ class Targets(BaseModel, frozen=True):
     task: Task = "single_label"
     names: tuple[str, ...]
     pairs: Truncation | None = None
+    # Per output, its training rows' mean: a label's share (multi_label), a number's mean (regression).
+    # The model's classifier starts there (tasks/train/engine.py), from the data (tasks/core/data.py).
+    priors: tuple[float, ...] | None = None
 
     @property
     def width(self) -> int:
