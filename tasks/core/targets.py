@@ -86,17 +86,21 @@ def rows_of(mask: pd.Series) -> str:
     return f"rows {rows}{' ...' if mask.sum() > SHOWN else ''}"
 
 
-def label_id(value, names: Sequence[str]) -> int | None:
+def label_id(value, by_name: dict[str, int]) -> int | None:
     """A label given as its name or its id (an int, a whole float, or digits from CSV) -> its id."""
     if isinstance(value, str):
-        if value in names:
-            return names.index(value)
+        if value in by_name:
+            return by_name[value]
         value = int(value) if value.strip().isdigit() else None
     if isinstance(value, float) and value.is_integer():
         value = int(value)
-    if isinstance(value, (int, np.integer)) and not isinstance(value, bool) and 0 <= value < len(names):
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool) and 0 <= value < len(by_name):
         return int(value)
     return None
+
+
+def ids_by_name(names: Sequence[str]) -> dict[str, int]:
+    return {name: i for i, name in enumerate(names)}
 
 
 def refuse(column: pd.Series, bad: pd.Series, problem: str) -> TargetError:
@@ -105,7 +109,8 @@ def refuse(column: pd.Series, bad: pd.Series, problem: str) -> TargetError:
 
 
 def class_ids(column: pd.Series, names: Sequence[str]) -> pd.Series:
-    ids = column.map(lambda value: label_id(value, names))
+    by_name = ids_by_name(names)
+    ids = column.map(lambda value: label_id(value, by_name))
     bad = ids.isna()
     if bad.any():
         raise refuse(column, bad, f"labels outside {list(names)} (or ids 0..{len(names) - 1})")
@@ -127,10 +132,11 @@ def listed(value, separator: str | None) -> list | None:
 
 def multi_hot(column: pd.Series, names: Sequence[str], separator: str | None) -> pd.Series:
     """Each row's labels as a multi-hot list over `names`."""
+    by_name = ids_by_name(names)
 
     def hot(value) -> list[float] | None:
         labels = listed(value, separator)
-        ids = None if labels is None else [label_id(label, names) for label in labels]
+        ids = None if labels is None else [label_id(label, by_name) for label in labels]
         if ids is None or None in ids:
             return None
         row = [0.0] * len(names)
