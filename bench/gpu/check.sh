@@ -6,7 +6,8 @@
 # `ftflow doctor`, then ftflow at its defaults and at ZeRO-2/3 (batch 256), a plain bf16 loop and the HF
 # Trainer on the same rows and model, `ftflow infer` on 100k rows beside a plain GPU loop. Everything it
 # prints, each step's output and each run's log, stall reports and manifest go to $OUT (else /tmp/out);
-# the summary at the end has one line per measurement, each naming the card.
+# the summary at the end has one line per measurement, each naming the card. `e2e` and `e2e-b256` run
+# bench/end_to_end.py (the whole job against the HF Trainer script) only when named in STEPS.
 set -uo pipefail
 T0=$(date +%s)
 here=$(cd "$(dirname "$0")" && pwd); R=$(cd "$here/../.." && pwd); cd "$R" || exit 2
@@ -53,6 +54,24 @@ if want sdpa; then t=$(allow 60 0); log "sdpa: what a new sequence length costs 
   timeout -k 5 "$t" python3 bench/gpu/sdpa_shapes.py /tmp/bert 256 > "$O/sdpa.txt" 2>&1
   grep "^RESULT" "$O/sdpa.txt" >> "$RES"; grep "^RESULT" "$O/sdpa.txt" || tail -5 "$O/sdpa.txt"
 fi
+
+# e2e NAME CAP ARGS...: bench/end_to_end.py (issue 41), the whole job of `ftflow run` (2nd run, and with
+# a running stack unless --no-stack) against the HF Trainer script (torch's attention, and without
+# cuDNN's as ftflow runs), ARGS added to its fields: its table, the targets, each run's summary.
+e2e(){ local name=$1 cap=$2; shift 2
+  local t; t=$(allow "$cap" 20)
+  if (( t < 120 )); then result "RESULT $name: skipped, $(( DEADLINE - $(el) )) s left"; return; fi
+  log "$name: bench/end_to_end.py, limit $t s, $*"; rm -rf "/tmp/$name"
+  timeout -s INT -k 15 "$t" python3 bench/end_to_end.py --keep "/tmp/$name" --set model.name_or_path=/tmp/bert "$@" \
+    > "$O/$name.txt" 2>&1; local rc=$?
+  log "$name: exit $rc"; (( rc )) && quiet "$O/$name.txt" | tail -"${LOG_TAIL:-25}"
+  grep -E "^\||^target|^over|^\([a-c2]+\) " "$O/$name.txt" | tee -a "$RES"
+  local m; for m in $(ls -tr /tmp/"$name"/root/runs/*/manifest.json 2>/dev/null); do
+    mkdir -p "$O/$name/$(basename "$(dirname "$m")")"; cp "$m" "$O/$name/$(basename "$(dirname "$m")")/"
+    result "$(python3 bench/gpu/summary.py "$name $(basename "$(dirname "$m")")" "$(dirname "$m")" 0 -)"; done
+  stop_ray; }
+declare -A E2E=([e2e]="360" [e2e-b256]="220 --no-stack --set train.zero_stage=2 --set train.batch_size=256")
+for step in $STEPS; do [ -n "${E2E[$step]:-}" ] && e2e "$step" ${E2E[$step]}; done
 
 # A stall report (every worker's stack, the GPUs) under the run's stall/ when no step shows for 45 s.
 STALL=(); grep -q "stall_warning_s" tasks/core/config.py && STALL=(--set train.stall_warning_s=45)

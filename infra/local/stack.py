@@ -30,7 +30,10 @@ STATE = Path(os.environ.get("FTFLOW_STACK_DIR", PROJECT_ROOT / ".stack"))
 PREFECT_PORT = int(os.environ.get("FTFLOW_PREFECT_PORT", "4200"))
 RAY_PORT = int(os.environ.get("FTFLOW_RAY_PORT", "6379"))
 UI = f"http://127.0.0.1:{PREFECT_PORT}"
-BIN = Path(sys.executable).parent
+# Ray's and Prefect's commands as modules of this interpreter, not console scripts beside it: a
+# Python that has them on its path alone (PYTHONPATH, as on bench/gpu's machine) has no `ray` there.
+RAY = [sys.executable, "-m", "ray.scripts.scripts"]
+PREFECT = [sys.executable, "-m", "prefect"]
 READY_S = 120
 
 
@@ -70,7 +73,7 @@ def ray_head_command(port: int, *options: str) -> list[str]:
     tests' clusters). `--block` keeps it in the foreground and takes the head's processes down with
     it on SIGTERM."""
     return [
-        str(BIN / "ray"),
+        *RAY,
         "start",
         "--head",
         "--block",
@@ -87,7 +90,7 @@ def ray_head_command(port: int, *options: str) -> list[str]:
 # the foreground and takes the head's processes down with it on SIGTERM, so stopping it never
 # touches other Ray clusters on the machine (`ray stop` would stop every one).
 PROCESSES = [
-    ("prefect-server", [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(PREFECT_PORT)]),
+    ("prefect-server", [*PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(PREFECT_PORT)]),
     # As the local Ray `ftflow run` starts: one CPU more than the machine has, for Ray Data's tasks.
     # With the cores alone, training took 1 worker of 1 CPU on a 2-core machine, and its epoch ran
     # 171 s against 128 s for `ftflow run` alone (bench/end_to_end.py).

@@ -11,7 +11,7 @@
 Each run trains on a seeded subset of at most ROWS training rows where the data has more (stated in
 the output), evaluating at epoch ends only, so that it ends within 15 minutes here.
 
-    python bench/tasks.py [goemotions] [emobank] [pairs] [--rows 12000] [--epochs 1]
+    python bench/task_kinds.py [goemotions] [emobank] [pairs] [--rows 12000] [--epochs 1]
 """
 
 from __future__ import annotations
