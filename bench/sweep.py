@@ -55,7 +55,7 @@ def ftflow(command: str, params: dict, root: Path, run_id: str) -> tuple[dict, f
     file = root.parent / f"{run_id}.json"
     file.write_text(json.dumps(params | {"storage_root": str(root), "run_id": run_id}))
     started = time.perf_counter()
-    done = subprocess.run([FTFLOW, command, "--params", str(file)], env=environment(), capture_output=True, text=True)
+    done = subprocess.run([*FTFLOW, command, "--params", str(file)], env=environment(), capture_output=True, text=True)
     wall = time.perf_counter() - started
     if done.returncode:
         sys.exit(f"{command} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")

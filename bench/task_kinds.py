@@ -49,7 +49,7 @@ def ftflow(params: dict, folder: Path, name: str) -> tuple[dict, float]:
     file = folder / f"{name}.json"
     file.write_text(json.dumps(params | {"storage_root": str(folder / "store"), "run_id": name}))
     started = time.perf_counter()
-    done = subprocess.run([FTFLOW, "run", "--params", str(file)], env=environment(), capture_output=True, text=True)
+    done = subprocess.run([*FTFLOW, "run", "--params", str(file)], env=environment(), capture_output=True, text=True)
     wall = time.perf_counter() - started
     if done.returncode:
         sys.exit(f"{name} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
@@ -119,7 +119,7 @@ def pairs(folder: Path, rows: int, epochs: int) -> None:
         pair = ["--text-pair-column", "next"] if extra else []
         model, out = manifest["outputs"]["model"], str(folder / f"{name}-labels")
         done = subprocess.run(
-            [FTFLOW, "infer", model, str(path), out, *pair], env=environment(), capture_output=True, text=True
+            [*FTFLOW, "infer", model, str(path), out, *pair], env=environment(), capture_output=True, text=True
         )
         if done.returncode:
             sys.exit(f"{name} inference failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
