@@ -56,6 +56,11 @@ class Say:
             self.console.print(f"{name + ':':<{self.width}} {text}", highlight=False, soft_wrap=True)
 
 
+# The stage column holds its longest name whole, a sweep's "trial 4c3ce_00000": at 17 columns, rich cut
+# every trial's to "trial 4c3ce_00…" on an 80-column terminal, and the trials' rows could not be told apart.
+STAGE_WIDTH = len("  trial 4c3ce_00000")
+
+
 class Status(ProgressColumn):
     """A bar's counts, elapsed time, ETA and the tick's own words, as one text that a narrow terminal
     cuts at its end (rich squeezes every column of its own alike, counts and ETA included)."""
@@ -73,6 +78,19 @@ class Status(ProgressColumn):
             no_wrap=True,
             overflow="ellipsis",
         )
+
+
+def stage_bars(console: Console) -> Progress:
+    """The live table: a row per stage (its name, its bar, Status), on a terminal only."""
+    return Progress(
+        TextColumn("  {task.description}", table_column=Column(no_wrap=True, min_width=STAGE_WIDTH)),
+        BarColumn(bar_width=24),
+        Status(),
+        console=console,
+        disable=not console.is_terminal,  # a pipe gets the lines only
+        redirect_stdout=False,
+        redirect_stderr=False,
+    )  # Python's prints (Ray's workers') stay in the log
 
 
 class Terminal(logging.Handler):
@@ -155,15 +173,7 @@ def session(verbose: bool) -> Iterator[Say]:
         return
     log_file = logs_folder() / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
     console = redirect(log_file)
-    bars = Progress(
-        TextColumn("  {task.description}", table_column=Column(no_wrap=True, min_width=17)),
-        BarColumn(bar_width=24),
-        Status(),
-        console=console,
-        disable=not console.is_terminal,  # a pipe gets the lines only
-        redirect_stdout=False,
-        redirect_stderr=False,
-    )  # Python's prints (Ray's workers') stay in the log
+    bars = stage_bars(console)
     terminal, say = Terminal(console, bars), Say(console, bars)
     for name in RUN_LOGGERS:
         logging.getLogger(name).addHandler(terminal)

@@ -17,6 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 from conftest import FTFLOW, fault_injected, free_port, read_jsonl, write_jsonl
+from rich.console import Console
 from test_flow import params
 from test_train import checkpoint_committed
 
@@ -294,3 +295,17 @@ def test_a_log_nothing_was_written_to_is_not_kept(tmp_path):
     said.write_text("Started a local Ray instance.\n")
     assert console.kept(empty, None) is None and not empty.exists()
     assert console.kept(said, None) == str(said) and said.exists()
+
+
+def test_the_live_table_keeps_each_trials_name_whole_on_an_80_column_terminal():
+    """A sweep's rows are told apart by their trials' names: rich cut each to "trial 4c3ce_00…" there."""
+    terminal = Console(width=80, force_terminal=True, color_system=None)
+    bars = console.stage_bars(terminal)
+    for trial in ("trial 4c3ce_00000", "trial 4c3ce_00001"):
+        words = "running, learning_rate 0.0003, epochs 2, val_accuracy 0.7712 (best 0.7712)"
+        bars.add_task(trial, total=None, unit="evaluations", words=words)
+    with terminal.capture() as shown:
+        terminal.print(bars.get_renderable())
+    rows = shown.get().splitlines()
+    assert [row.split()[:2] for row in rows] == [["trial", "4c3ce_00000"], ["trial", "4c3ce_00001"]]
+    assert all(len(row) <= 80 for row in rows)
