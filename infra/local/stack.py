@@ -35,8 +35,7 @@ UI = f"http://127.0.0.1:{PREFECT_PORT}"
 
 def console_script(name: str) -> str:
     """Ray's or Prefect's command: beside this interpreter (its virtual environment's), else on PATH
-    (a Python given them by PYTHONPATH, as bench/gpu's machine is). Not `python -m`: with Ray's head
-    and Prefect's server started so, tests/test_stack.py took 248 s against 191 (one run each)."""
+    (a Python given them by PYTHONPATH, as bench/gpu's machine is)."""
     beside = Path(sys.executable).parent / name
     return str(beside) if beside.exists() else shutil.which(name) or str(beside)
 
