@@ -35,7 +35,7 @@ from transformers import (  # noqa: E402
     TrainingArguments,
 )
 
-from flows.params import assigned  # noqa: E402 -- ftflow's fields and defaults, nothing else of it
+from flows.params import parameters  # noqa: E402 -- ftflow's fields and defaults, nothing else of it
 from tasks.core.attention import without_cudnn_attention  # noqa: E402
 from tasks.core.config import FinetuneParams  # noqa: E402
 
@@ -143,9 +143,6 @@ def arguments() -> argparse.Namespace:
 
 if __name__ == "__main__":
     args = arguments()
-    given: dict = {}
-    for assignment in args.sets:
-        given = assigned(given, assignment)
     if args.attention == "no-cudnn":
         without_cudnn_attention()
-    main(args.output, args.max_steps, FinetuneParams.model_validate(given))
+    main(args.output, args.max_steps, parameters(FinetuneParams, None, args.sets))
