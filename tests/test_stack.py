@@ -28,6 +28,8 @@ from prefect.states import Cancelling
 ROOT = Path(__file__).resolve().parents[1]
 SCREENSHOTS = Path(os.environ.get("FTFLOW_TEST_ARTIFACTS", ROOT / "test-artifacts"))
 RUN_TIMEOUT_MS = 600_000
+# Each run's optimizer steps: an epoch of the shipped reviews is 267 steps, 38-44 s of this test's 215 (2026-11-28).
+STEPS = 20
 
 
 def stack(command: str, env: dict[str, str]) -> subprocess.CompletedProcess:
@@ -70,7 +72,13 @@ def test_a_run_triggered_from_the_ui_completes_with_its_artifacts_and_events_tri
         # One epoch of the tiny model may learn nothing: this run has no promotion floor, so one of the two is promoted.
         other = run_deployment(
             "finetune/retrain",
-            parameters={"params": {"model": {"name_or_path": str(tiny_model)}, "promotion": {"min_score": 0}}},
+            parameters={
+                "params": {
+                    "model": {"name_or_path": str(tiny_model)},
+                    "train": {"max_steps": STEPS},
+                    "promotion": {"min_score": 0},
+                }
+            },
             timeout=0,
         )
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
@@ -94,8 +102,9 @@ def test_a_run_triggered_from_the_ui_completes_with_its_artifacts_and_events_tri
         )
         assert sorted(str(run.id) for run in runs) == sorted([from_ui_id, str(other.id)])
         from_ui = client.read_flow_run(from_ui_id)
-        assert from_ui.parameters["params"]["model"]["name_or_path"] == str(tiny_model), (
-            "the form's value reached the run"
+        chosen = from_ui.parameters["params"]
+        assert (chosen["model"]["name_or_path"], chosen["train"]["max_steps"]) == (str(tiny_model), STEPS), (
+            "the form's values reached the run"
         )
         assert from_ui.state.is_completed()
         other = client.read_flow_run(other.id)
@@ -214,8 +223,8 @@ def run_from_the_ui(page, ui: str, tiny_model, besides: str) -> str:
 
     page.get_by_role("button", name="Run", exact=True).click()
     page.get_by_text("Custom run").click()
-    model = page.locator(".schema-form-property", has=page.get_by_text("Name Or Path (Optional)", exact=True)).last
-    model.locator("textarea, input").first.fill(str(tiny_model))
+    fill(page, "Name Or Path (Optional)", str(tiny_model))
+    fill(page, "Max Steps (Optional)", str(STEPS), kind="int")
     page.get_by_role("button", name="Submit").click()
     expect(page.get_by_role("button", name="View run").first).to_be_attached()  # the UI's "run created" toast
 
@@ -246,6 +255,15 @@ def run_from_the_ui(page, ui: str, tiny_model, besides: str) -> str:
     expect(page.get_by_text("Progress: 100%")).to_be_visible()  # the UI's rendering of a progress artifact
     page.screenshot(path=SCREENSHOTS / "training-progress-in-the-ui.png", full_page=True)
     return run_id
+
+
+def fill(page, label: str, value: str, kind: str | None = None) -> None:
+    """Types `value` into the run form's field labelled `label` (the innermost, where forms nest),
+    first choosing its `kind` where the field offers several (an optional int: "int" or "None")."""
+    field = page.locator(".schema-form-property", has=page.get_by_text(label, exact=True)).last
+    if kind:
+        field.get_by_role("button", name=kind, exact=True).click()
+    field.locator("textarea, input").first.fill(value)
 
 
 def open_the_report(page) -> None:
