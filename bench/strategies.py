@@ -51,7 +51,7 @@ from tasks.core.config import DataConfig, ModelConfig  # noqa: E402
 from tasks.core.data import load_splits  # noqa: E402
 from tasks.core.layout import RunStore  # noqa: E402
 from tasks.core.train_config import TrainConfig  # noqa: E402
-from tasks.tokenize.driver import load_tokenizer, tokenize_key  # noqa: E402
+from tasks.tokenize.driver import tokenize_key  # noqa: E402
 from tasks.tokenize.task import tokenize  # noqa: E402
 from tasks.train.batches import collate  # noqa: E402
 from tasks.train.engine import param_groups  # noqa: E402
@@ -342,7 +342,7 @@ def tokenized_rows(model_path: str, max_length: int, rows: int, folder: Path) ->
             test_uri=sample("test", 64, folder),
         )
     )
-    return tokenize(tokenize_key(splits, load_tokenizer(model_path), max_length, str(folder)), splits, model_path)
+    return tokenize(tokenize_key(splits, model_path, max_length, str(folder)), splits, model_path)
 
 
 BASELINES = ("pytorch (baseline)", "pytorch, fused adamw", "hf trainer, group_by_length")

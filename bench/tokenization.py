@@ -36,7 +36,7 @@ from inference import peak_ray_worker_rss, review_texts, start_prefect, timed, w
 from tasks.core import cluster  # noqa: E402
 from tasks.core.config import DataConfig, ModelConfig  # noqa: E402
 from tasks.core.data import load_splits  # noqa: E402
-from tasks.tokenize.driver import load_tokenizer, tokenize_key  # noqa: E402
+from tasks.tokenize.driver import tokenize_key  # noqa: E402
 from tasks.tokenize.task import tokenize  # noqa: E402
 
 SMALL_SPLIT_ROWS = 64
@@ -68,7 +68,7 @@ def with_ftflow(corpus: Path, small: Path, model: str, max_length: int, root: Pa
     checked, checks_s = timed(
         lambda: load_splits(DataConfig(train_uri=str(corpus), validation_uri=str(small), test_uri=str(small)))
     )
-    key = tokenize_key(checked, load_tokenizer(model), max_length, str(root))
+    key = tokenize_key(checked, model, max_length, str(root))
     uris = tokenize.with_options(refresh_cache=True)(key, checked, model)
     return pyarrow.dataset.dataset(uris["train"]).count_rows(), checks_s
 

@@ -39,7 +39,7 @@ from tasks.core.data import load_splits  # noqa: E402
 from tasks.core.layout import RunStore  # noqa: E402
 from tasks.core.train_config import TrainConfig  # noqa: E402
 from tasks.tokenize.contract import shard_schema  # noqa: E402
-from tasks.tokenize.driver import load_tokenizer, tokenize_key  # noqa: E402
+from tasks.tokenize.driver import tokenize_key  # noqa: E402
 from tasks.tokenize.task import tokenize  # noqa: E402
 from tasks.train.task import train  # noqa: E402
 
@@ -160,7 +160,7 @@ def main() -> None:
         splits = load_splits(DataConfig())
         cases = {}
         for model, max_length in [(tiny, 64)] + ([(ModelConfig().name_or_path, 128)] if args.main_job else []):
-            tokenized = tokenize.fn(tokenize_key(splits, load_tokenizer(model), max_length, tmp), splits, model)
+            tokenized = tokenize.fn(tokenize_key(splits, model, max_length, tmp), splits, model)
             if model == tiny:
                 cases |= {
                     (f"tiny, {rows:,} rows", model, max_length): corpus(tokenized, rows, Path(tmp))

@@ -21,7 +21,7 @@ from tasks.report.manifest import DataRecord, Outputs, Results, write_manifest
 from tasks.report.task import Stopwatch, publish_report
 from tasks.report.tracking import import_beside, track
 from tasks.sweep.contract import SweepResult
-from tasks.tokenize.driver import TokenizeKey, load_tokenizer, tokenize_key
+from tasks.tokenize.driver import TokenizeKey, checked_key
 from tasks.tokenize.task import tokenize
 from tasks.train.contract import Result
 from tasks.train.plan import check_parallelism
@@ -86,9 +86,7 @@ def prepared(params: FinetuneParams, store: RunStore, took: Stopwatch) -> Prepar
     # Bad input stops here, before Ray (`ftflow run` checked it before Prefect started).
     inputs = run_inputs(params, store)
     check_parallelism(params.train, params.model)
-    key = tokenize_key(
-        inputs.splits, load_tokenizer(params.model.name_or_path), params.model.max_length, params.storage_root
-    )
+    key = checked_key(inputs.splits, params.model, params.storage_root)
     refuse_overlap([key.target], inputs.read(params))
     cluster.refuse_local_paths(
         {"storage_root": [params.storage_root], **inputs.by_field()}, params.storage_shared, params.ray_address

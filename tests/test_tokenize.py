@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 import threading
@@ -36,15 +37,15 @@ def splits_in(folder, small_data):
 
 
 def test_same_content_elsewhere_hits_the_cache(ray_cluster, tiny_model, small_data, tmp_path):
-    root, tokenizer = str(tmp_path / "store"), load_tokenizer(str(tiny_model))
+    root, model = str(tmp_path / "store"), str(tiny_model)
     first, moved = splits_in(tmp_path / "a", small_data), splits_in(tmp_path / "b", small_data)
 
     @flow
     def tokenize_three_times():
         return [
-            tokenize(tokenize_key(first, tokenizer, 48, root), first, str(tiny_model), return_state=True),
-            tokenize(tokenize_key(moved, tokenizer, 48, root), moved, str(tiny_model), return_state=True),
-            tokenize(tokenize_key(moved, tokenizer, 16, root), moved, str(tiny_model), return_state=True),
+            tokenize(tokenize_key(first, model, 48, root), first, model, return_state=True),
+            tokenize(tokenize_key(moved, model, 48, root), moved, model, return_state=True),
+            tokenize(tokenize_key(moved, model, 16, root), moved, model, return_state=True),
         ]
 
     original, same_content, shorter = tokenize_three_times()
@@ -60,6 +61,20 @@ def test_same_content_elsewhere_hits_the_cache(ray_cluster, tiny_model, small_da
         assert max(len(ids) for ids in table["input_ids"].to_pylist()) == max_length
 
 
+def test_the_key_follows_the_tokenizer_files_not_the_model_folder(tiny_model, small_data, tmp_path):
+    """Read without transformers (tasks/core/models.py): a copy of the model elsewhere keys the same
+    shards, and a change to its tokenizer's files other ones."""
+    splits, copy = splits_in(tmp_path / "data", small_data), shutil.copytree(tiny_model, tmp_path / "copy")
+
+    def digest(model: Path) -> str:
+        return tokenize_key(splits, str(model), 32, str(tmp_path / "store")).digest
+
+    assert digest(copy) == digest(tiny_model)
+    settings = json.loads((copy / "tokenizer_config.json").read_text())
+    (copy / "tokenizer_config.json").write_text(json.dumps(settings | {"do_lower_case": False}))
+    assert digest(copy) != digest(tiny_model)
+
+
 def test_split_of_many_files_tokenizes_exactly_its_rows(
     ray_cluster, tiny_model, small_data, tmp_path, monkeypatch, caplog
 ):
@@ -70,7 +85,7 @@ def test_split_of_many_files_tokenizes_exactly_its_rows(
         DataConfig(train_uri=inputs, validation_uri=[str(small_data["validation"])], test_uri=str(small_data["test"]))
     )
     tokenizer = load_tokenizer(str(tiny_model))
-    uris = tokenize(tokenize_key(splits, tokenizer, 32, str(tmp_path / "store")), splits, str(tiny_model))
+    uris = tokenize(tokenize_key(splits, str(tiny_model), 32, str(tmp_path / "store")), splits, str(tiny_model))
 
     table = pq.read_table(uris["train"]).sort_by("row")
     assert table["row"].to_pylist() == list(range(len(expected)))
@@ -90,7 +105,7 @@ def test_split_of_many_files_tokenizes_exactly_its_rows(
 
 def test_an_interrupted_attempt_is_replaced_and_complete_shards_reused(ray_cluster, tiny_model, small_data, tmp_path):
     splits = splits_in(tmp_path / "data", small_data)
-    key = tokenize_key(splits, load_tokenizer(str(tiny_model)), 32, str(tmp_path / "store"))
+    key = tokenize_key(splits, str(tiny_model), 32, str(tmp_path / "store"))
 
     @flow
     def tokenize_as_finetune_does():  # flows/finetune.py: the cache is trusted only where the marker is

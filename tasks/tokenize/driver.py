@@ -6,20 +6,22 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
-import os
+from typing import TYPE_CHECKING
 
 import ray
 from pydantic import BaseModel
 from tokenizers import Tokenizer
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from tasks.core import cluster, jobs, layout, storage
+from tasks.core.config import ModelConfig
 from tasks.core.data import Split
-from tasks.core.models import hub_free, training_model
+from tasks.core.models import hub_free, model_folder, tokenizer_sha256
 from tasks.core.progress import Tick, tallied
 from tasks.core.text import truncating
 from tasks.tokenize.worker import SPLITS, Written, shards, write_shard
+
+if TYPE_CHECKING:  # imported where a tokenizer is loaded: see tasks/core/models.py
+    from transformers import PreTrainedTokenizerBase
 
 # One Ray task per shard; the function lives in tasks/tokenize/worker.py, so the workers import no Prefect.
 write = ray.remote(num_cpus=cluster.READ_CPUS)(write_shard)
@@ -54,37 +56,39 @@ class TokenizeKey(BaseModel):
 
 
 def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
-    """The model's fast tokenizer, or what is wrong with the model in one line: transformers' own
-    words for a folder that is not there are "Repo id must be in the form 'repo_name' or ..."."""
-    training_model(name_or_path)
+    """The model's fast tokenizer, or what is wrong with the model in one line."""
+    model_folder(name_or_path)  # a folder that is not a model's, or a hub id the hub does not resolve
+    from transformers import AutoTokenizer
+
     try:
         tokenizer = AutoTokenizer.from_pretrained(name_or_path, **hub_free(name_or_path))
-    except (OSError, ValueError) as error:  # a hub id that is not in the local cache, or not on the hub
-        offline = (
-            " (HF_HUB_OFFLINE is set: nothing is downloaded)"
-            if os.environ.get("HF_HUB_OFFLINE") in ("1", "true")
-            else ""
-        )
+    except (OSError, ValueError) as error:
         raise ValueError(
-            f"model.name_or_path {name_or_path}: not a folder here, and the Hugging Face hub does not resolve it"
-            f"{offline}: {str(error).splitlines()[0]}"
+            f"model.name_or_path {name_or_path}: transformers cannot load its tokenizer: {str(error).splitlines()[0]}"
         ) from None
     if not tokenizer.is_fast:
         raise ValueError(f"model.name_or_path {name_or_path}: ftflow needs a fast (Rust) tokenizer, tokenizer.json")
     return tokenizer
 
 
-def tokenize_key(
-    splits: dict[str, Split], tokenizer: PreTrainedTokenizerBase, max_length: int, root: str
-) -> TokenizeKey:
-    vocab = json.dumps([tokenizer.backend_tokenizer.to_str(), tokenizer.model_max_length], sort_keys=True)
+def tokenize_key(splits: dict[str, Split], name_or_path: str, max_length: int, root: str) -> TokenizeKey:
     return TokenizeKey(
         data_sha256={name: split.sha256 for name, split in splits.items()},
         reading=dataclasses.asdict(splits["train"].schema),
-        tokenizer_sha256=hashlib.sha256(vocab.encode()).hexdigest(),
+        tokenizer_sha256=tokenizer_sha256(name_or_path),
         max_length=max_length,
         root=storage.normalize(root),
     )
+
+
+def checked_key(splits: dict[str, Split], model: ModelConfig, root: str) -> TokenizeKey:
+    """The shards' key. Where those shards are not written yet, the model's tokenizer is loaded as
+    well, so that one ftflow cannot tokenize with is refused before any cluster work; where they are,
+    it was loaded when they were written."""
+    key = tokenize_key(splits, model.name_or_path, model.max_length, root)
+    if not key.shards_exist():
+        load_tokenizer(model.name_or_path)
+    return key
 
 
 def _tokenize_splits(

@@ -26,12 +26,11 @@ from ray.train.v2._internal.constants import (
     WORKER_GROUP_START_TIMEOUT_S_ENV_VAR,
 )
 from ray.train.v2._internal.exceptions import WorkerGroupStartupTimeoutError
-from transformers import AutoConfig
 
 from tasks.core import cluster, jobs, storage
 from tasks.core.config import ModelConfig
 from tasks.core.layout import RunStore
-from tasks.core.models import hub_free
+from tasks.core.models import model_config
 from tasks.core.progress import relayed
 from tasks.core.targets import Targets
 from tasks.core.train_config import TrainConfig
@@ -116,11 +115,11 @@ def worker_spec(
     padded_rows = train_count + -train_count % the_plan.workers
     batches_per_epoch = math.ceil(padded_rows / the_plan.workers / the_plan.micro_batch)
     max_steps = min(cfg.max_steps or math.inf, cfg.epochs * (batches_per_epoch // the_plan.accumulation))
-    config = AutoConfig.from_pretrained(model.name_or_path, **hub_free(model.name_or_path))
+    hidden_size = model_config(model.name_or_path).get("hidden_size", 768)
     return WorkerSpec(
         train=cfg,
         plan=the_plan,
-        deepspeed=deepspeed_config(cfg, the_plan, max_steps, getattr(config, "hidden_size", 768)),
+        deepspeed=deepspeed_config(cfg, the_plan, max_steps, hidden_size),
         model=model.name_or_path,
         targets=targets,
         max_length=model.max_length,

@@ -5,12 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from transformers import AutoConfig
-
 from tasks.core import cluster
 from tasks.core.config import ModelConfig
 from tasks.core.first_token import FIRST_TOKEN_CLASSIFIERS
-from tasks.core.models import hub_free
+from tasks.core.models import model_config
 from tasks.core.targets import Targets
 from tasks.core.train_config import TrainConfig
 from tasks.train import strategy
@@ -43,18 +41,18 @@ def check_parallelism(cfg: TrainConfig, model: ModelConfig) -> None:
     if cfg.model_parallel == 1:
         return
     name, size = cfg.split_field, cfg.model_parallel
-    config = AutoConfig.from_pretrained(model.name_or_path, **hub_free(model.name_or_path))
-    if config.model_type not in SPLITTABLE:
+    config = model_config(model.name_or_path)
+    if config.get("model_type") not in SPLITTABLE:
         raise ValueError(
-            f"train.{name}={size}: {model.name_or_path} is a '{config.model_type}' model, and ftflow "
+            f"train.{name}={size}: {model.name_or_path} is a '{config.get('model_type')}' model, and ftflow "
             f"splits BERT-family encoders only ({', '.join(sorted(SPLITTABLE))}): set it to 1"
         )
     fields = ("num_attention_heads", "intermediate_size") if name == "tensor_parallel_size" else ("num_hidden_layers",)
     for field in fields:
-        if getattr(config, field) % size:
+        if config[field] % size:
             raise ValueError(
-                f"train.{name}={size} does not divide the model's {field}={getattr(config, field)}: "
-                f"use a divisor of {getattr(config, field)}"
+                f"train.{name}={size} does not divide the model's {field}={config[field]}: "
+                f"use a divisor of {config[field]}"
             )
 
 

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from transformers import AutoConfig, AutoModelForSequenceClassification
-
 from tasks.core.models import hub_free
 from tasks.core.train_config import AUTO_CHOOSES, TrainConfig
 from tasks.train.contract import Choice
@@ -49,6 +47,7 @@ class ModelSize:
     def of(cls, name_or_path: str, labels: int) -> ModelSize:
         """Counted on the model's structure, built without weights (meta device): no load."""
         import torch
+        from transformers import AutoConfig, AutoModelForSequenceClassification  # strategy=auto's only
 
         config = AutoConfig.from_pretrained(name_or_path, num_labels=labels, **hub_free(name_or_path))
         with torch.device("meta"):
