@@ -381,12 +381,8 @@ def test_finetune_on_a_token_secured_cluster_that_grows_and_shrinks(tiny_model, 
 
         run = finetune(f"s3://{BUCKET}/grows")
         assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-        for _ in range(24):  # removed ~20 s after their last work
-            if alive_nodes(driver) == 1:
-                break
-            time.sleep(5)
-        assert alive_nodes(driver) == 1, "the added nodes went once idle"
-
+        # While the added nodes idle out (they go ~20 s after their last work): requests that no node
+        # type can satisfy, refused.
         never = finetune(f"s3://{BUCKET}/never", device="gpu", wait_for_workers_s=5)
         assert never.returncode != 0
         assert (
@@ -414,6 +410,11 @@ def test_finetune_on_a_token_secured_cluster_that_grows_and_shrinks(tiny_model, 
             in no_actors.stderr
         ), no_actors.stderr[-3000:]
         assert " - Retry 1/" not in no_actors.stderr, "a wait that ran out is not tried again"  # 4 tries took 70 s
+        for _ in range(24):
+            if (alive := alive_nodes(driver)) == 1:
+                break
+            time.sleep(5)
+        assert alive == 1, "the added nodes went once idle"
     finally:
         os.killpg(head.pid, signal.SIGTERM)
         head.wait(timeout=60)
