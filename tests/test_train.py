@@ -26,7 +26,7 @@ from tasks.core.layout import RunStore
 from tasks.core.targets import Targets
 from tasks.core.text import padded
 from tasks.core.train_config import TrainConfig
-from tasks.tokenize.driver import load_tokenizer, tokenize_key
+from tasks.tokenize.driver import tokenize_key
 from tasks.tokenize.task import tokenize
 from tasks.train.contract import STATE_FILE, Result
 from tasks.train.plan import planned
@@ -45,7 +45,7 @@ def tokenized(ray_cluster, tiny_model, small_data, tmp_path_factory):
             test_uri=str(small_data["test"]),
         )
     )
-    key = tokenize_key(splits, load_tokenizer(str(tiny_model)), 64, root)
+    key = tokenize_key(splits, str(tiny_model), 64, root)
     return root, tokenize(key, splits, str(tiny_model))
 
 
