@@ -1,7 +1,7 @@
 """Batch inference benchmark: ftflow's `predict_files` against a plain transformers loop.
 
     python bench/inference.py [--rows 10000 100000 1000000] [--model tiny|minilm|PATH] [--files 16]
-                              [--precision auto|fp32|bf16] [--test-accuracy]
+                              [--precision auto|fp32|bf16] [--engine torch|compile|deepspeed] [--test-accuracy]
 
 The corpus is short Rotten Tomatoes reviews (repeated, each row numbered) in `--files` JSONL files.
 The baseline is the loop a user writes by hand: one process with all of the machine's CPUs, the
@@ -11,7 +11,8 @@ memory: it writes nothing); Prefect's temporary API server, which a task called 
 starts once per process (~10 s here; none with a running server), is started before. While ftflow
 runs, the resident memory of every Ray worker process is sampled: its peak shows what bounds
 memory (window and batch size, not the corpus size). Prints a Markdown table for bench/RESULTS.md.
-`--precision` is ftflow's `inference.precision` (the plain loop stays fp32); `--test-accuracy`, with
+`--precision` and `--engine` are ftflow's `inference.precision` and `inference.engine` (the plain loop
+stays fp32 and eager); `--test-accuracy`, with
 a fine-tuned model folder, also prints its Rotten Tomatoes test accuracy at fp32 and at that precision.
 """
 
@@ -130,6 +131,7 @@ def main() -> None:
     parser.add_argument("--model", default="tiny", help="tiny (the tests' 2-layer BERT), minilm, or a model folder")
     parser.add_argument("--files", type=int, default=16)
     parser.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto")
+    parser.add_argument("--engine", choices=["torch", "compile", "deepspeed"], default="torch")
     parser.add_argument("--test-accuracy", action="store_true", help="with a fine-tuned model folder")
     args = parser.parse_args()
 
@@ -150,7 +152,9 @@ def main() -> None:
             plain_rows, plain_s = timed(partial(plain_loop, model, files))
             out = str(Path(tmp) / f"out-{rows}")
             with peak_ray_worker_rss() as peak:
-                config = InferenceConfig(input_uri=str(corpus), batch_size=BATCH, precision=args.precision)
+                config = InferenceConfig(
+                    input_uri=str(corpus), batch_size=BATCH, precision=args.precision, engine=args.engine
+                )
                 labelled, ftflow_s = timed(partial(predict_files, model, config, out))
             ftflow_rows = labelled.rows
             assert plain_rows == ftflow_rows == rows == len(pd.read_parquet(out)), (plain_rows, ftflow_rows, rows)
@@ -171,7 +175,7 @@ def main() -> None:
                 "Rotten Tomatoes test accuracy: " + ", ".join(f"{p} {a:.4f}" for p, a in accuracy.items()), flush=True
             )
     print(
-        f"\n{args.files} JSONL files, batch size {BATCH}, ftflow precision {args.precision}, "
+        f"\n{args.files} JSONL files, batch size {BATCH}, ftflow precision {args.precision}, engine {args.engine}, "
         f"{cluster.Resources.of_cluster().cpus:.0f} CPUs\n"
     )
     print("\n".join(lines))

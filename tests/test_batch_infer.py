@@ -131,14 +131,37 @@ def test_a_list_of_inputs_shared_by_two_actors_in_small_windows(ray_cluster, tin
     assert table.index.is_unique and table["text"].to_dict() == expected
 
 
-def test_bf16_on_cpu_labels_every_row_within_rounding_of_fp32(ray_cluster, tiny_model, corpus, tmp_path):
-    for precision in ("fp32", "bf16"):
-        run_batch_infer(str(tiny_model), str(corpus / "a.jsonl"), str(tmp_path / precision), precision=precision)
-    exact, rounded = (pq.read_table(tmp_path / p).to_pandas().set_index("id").sort_index() for p in ("fp32", "bf16"))
+def test_bf16_and_a_compiled_model_label_as_fp32_does_and_deepspeed_asks_for_a_gpu(
+    ray_cluster, tiny_model, corpus, tmp_path
+):
+    """inference.precision bf16 on a CPU: within rounding of fp32. inference.engine compile (torch.compile):
+    fp32's labels and scores. deepspeed (DeepSpeed's CUDA kernels): refused on CPUs in one line before
+    any replica starts, and with device=cpu as the parameters are read."""
+    runs = {
+        "fp32": {"precision": "fp32"},
+        "bf16": {"precision": "bf16"},
+        "compile": {"precision": "fp32", "engine": "compile"},
+    }
+    for name, settings in runs.items():
+        run_batch_infer(str(tiny_model), str(corpus / "a.jsonl"), str(tmp_path / name), **settings)
+    exact, rounded, compiled = (
+        pq.read_table(tmp_path / name).to_pandas().set_index("id").sort_index() for name in runs
+    )
     assert list(rounded.index) == list(exact.index)
     gap = (rounded["score"] - exact["score"]).abs()
     assert 0 < gap.max() < 0.02  # bf16 did run (scores moved), by rounding only
     assert (rounded["label"] == exact["label"])[exact["score"] > 0.52].all()  # labels change only near ties
+    assert (compiled["label"] == exact["label"]).all()
+    assert 0 < (compiled["score"] - exact["score"]).abs().max() < 1e-5  # compiled kernels round otherwise: it ran
+    with pytest.raises(
+        ValueError, match="^inference.engine=deepspeed runs DeepSpeed's CUDA kernels, and this job labels on CPUs"
+    ):
+        run_batch_infer(str(tiny_model), str(corpus / "a.jsonl"), str(tmp_path / "ds"), engine="deepspeed")
+    assert not (tmp_path / "ds").exists()
+    with pytest.raises(ValueError, match="engine: deepspeed runs DeepSpeed's CUDA kernels, and device is cpu"):
+        run_batch_infer(
+            str(tiny_model), str(corpus / "a.jsonl"), str(tmp_path / "ds"), engine="deepspeed", device="cpu"
+        )
 
 
 def test_every_row_of_a_hundred_files_gets_one_prediction(ray_cluster, tiny_model, tmp_path):

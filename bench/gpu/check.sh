@@ -7,7 +7,8 @@
 # Trainer on the same rows and model, `ftflow infer` on 100k rows beside a plain GPU loop. Everything it
 # prints, each step's output and each run's log, stall reports and manifest go to $OUT (else /tmp/out);
 # the summary at the end has one line per measurement, each naming the card. `e2e` and `e2e-b256` run
-# bench/end_to_end.py (the whole job against the HF Trainer script) only when named in STEPS.
+# bench/end_to_end.py (the whole job against the HF Trainer script) only when named in STEPS, and
+# `engines` (`ftflow infer` with each other inference.engine, after infer) too.
 set -uo pipefail
 T0=$(date +%s)
 here=$(cd "$(dirname "$0")" && pwd); R=$(cd "$here/../.." && pwd); cd "$R" || exit 2
@@ -144,6 +145,20 @@ else
   if (( t >= 20 )); then timeout -k 5 "$t" python3 bench/gpu/infer_base.py "$m" /tmp/corpus 2>&1 | grep "^RESULT" | tee -a "$RES"
   else result "RESULT plain GPU inference loop: skipped, $(( DEADLINE - $(el) )) s left"; fi
 fi
+
+# engines (only when named, after infer: its model and corpus): `ftflow infer` on the same 100k rows with
+# each other inference.engine (issue 41): torch.compile, and DeepSpeed-Inference's injected kernels
+# (their CUDA op compiles at its first use: minutes on a fresh machine).
+for engine in compile deepspeed; do want engines || break
+  t=$(allow 150 0)
+  if [ -z "$m" ] || [ ! -d /tmp/corpus ] || (( t < 45 )); then result "RESULT ftflow infer, engine $engine: skipped"; continue; fi
+  log "ftflow infer, 100,000 rows, engine $engine: limit $t s"; t1=$(date +%s)
+  timeout -s INT -k 10 "$t" python3 -m flows.cli infer "$m" /tmp/corpus "/tmp/preds-$engine" --device gpu --batch-size 256 \
+    --engine "$engine" > "$O/infer-$engine.txt" 2>&1
+  rc=$?; secs=$(( $(date +%s) - t1 )); quiet "$O/infer-$engine.txt" | tail -6
+  result "RESULT ftflow infer, engine $engine, batch 256: $(grep -oP '^rows/s:\s*\K[\d,]+' "$O/infer-$engine.txt" || echo '-') rows/s (its job), $secs s wall with start-up, exit $rc"
+  stop_ray
+done
 
 log "summary, $CARD"
 awk -v card="$CARD" '{ sub(/^RESULT /, card " | "); print }' "$RES"

@@ -153,6 +153,15 @@ INFERENCE_PRECISION = (
 )
 
 
+InferenceEngine = Literal["torch", "compile", "deepspeed"]
+INFERENCE_ENGINE = (
+    "What runs the model: torch, as transformers builds it (attention by SDPA; on a GPU its memory-efficient "
+    "kernel); compile, the same through torch.compile with dynamic shapes (each replica compiles it at its first "
+    "batches); deepspeed, DeepSpeed-Inference with its fused transformer kernels injected (GPUs and BERT-family "
+    "models only). Measured side by side in bench/RESULTS.md."
+)
+
+
 class InferenceConfig(Strict):
     input_uri: str | list[str] | None = Field(
         None,
@@ -183,12 +192,19 @@ class InferenceConfig(Strict):
         description="Rows sorted by length and labelled together: with batch_size, bounds memory per actor.",
     )
     precision: InferencePrecision = Field("auto", description=INFERENCE_PRECISION)
+    engine: InferenceEngine = Field("torch", description=INFERENCE_ENGINE)
     timeout_s: float | None = Field(
         None,
         gt=0,
         description="Fail batch inference that runs longer than this, replicas stopped "
         "(nothing is marked complete); default: none.",
     )
+
+    @model_validator(mode="after")
+    def _engine_on_its_device(self) -> InferenceConfig:
+        if self.engine == "deepspeed" and self.device == "cpu":
+            raise ValueError("engine: deepspeed runs DeepSpeed's CUDA kernels, and device is cpu: use torch or compile")
+        return self
 
 
 class PromotionConfig(Strict):

@@ -39,6 +39,11 @@ def labelled(model_uri: str, cfg: InferenceConfig, output_uri: str) -> Labelled:
     actors, cpus, gpus = resources.inference_actors(
         cfg.actors or (1 if estimated_rows(sizes) < ONE_ACTOR_ROWS else None), resources.use_gpu(cfg.device)
     )
+    if cfg.engine == "deepspeed" and not gpus:
+        raise ValueError(
+            "inference.engine=deepspeed runs DeepSpeed's CUDA kernels, and this job labels on CPUs (the Ray "
+            "cluster has no GPU now): use torch or compile, or device=gpu"
+        )
     parts = cut_in_parts(sizes, actors)
     job = output.start()  # a re-run replaces exactly what an earlier job here wrote, complete or not
     out_path, out_fs = storage.pyarrow_filesystem(output_uri)
@@ -58,6 +63,7 @@ def labelled(model_uri: str, cfg: InferenceConfig, output_uri: str) -> Labelled:
                 "batch_size": cfg.batch_size,
                 "threads": max(1, round(cpus)),
                 "precision": cfg.precision,
+                "engine": cfg.engine,
                 "channel": channel,
             },
             batch_size=1,  # a part per call

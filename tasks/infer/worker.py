@@ -70,11 +70,12 @@ class Labeller:
         batch_size: int,
         threads: int,
         precision: str,
+        engine: str,
         channel: str | None = None,
     ):
         from tasks.core.predictor import Predictor  # torch and transformers: in the actor only, not its driver
 
-        self.predictor = Predictor(model_uri, batch_size, threads, precision=precision)
+        self.predictor = Predictor(model_uri, batch_size, threads, precision=precision, engine=engine)
         self.schema = labels_schema(self.predictor.targets, reading.pair_id_column is not None)
         (self.path, self.filesystem), self.job = output, job
         self.reading, self.window_rows = reading, window_rows
