@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-FTFLOW = [sys.executable, "-m", "flows.cli"]  # as the `ftflow` command runs (the GPU kit has no console script)
+FTFLOW = [sys.executable, "-m", "ftflow.cli"]  # as the `ftflow` command runs (the GPU kit has no console script)
 GPU = subprocess.run(["nvidia-smi", "-L"], capture_output=True).returncode == 0 if shutil.which("nvidia-smi") else False
 # Issue 41: on a CPU, (b) <= 1.15x (a), (c) <= 1.0x (a); with the stack, the flow's start to the first
 # step <= 6 s and training's end to the end <= 4 s. On a GPU, (b) <= 1.3x, (c) <= 1.0x, the first

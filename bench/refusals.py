@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from flows.temporary_api import free_port
+from ftflow.temporary_api import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 FTFLOW = str(Path(sys.executable).with_name("ftflow"))

@@ -35,7 +35,7 @@ from transformers import (  # noqa: E402
     TrainingArguments,
 )
 
-from flows.params import parameters  # noqa: E402 -- ftflow's fields and defaults, nothing else of it
+from ftflow.params import parameters  # noqa: E402 -- ftflow's fields and defaults, nothing else of it
 from tasks.core.attention import without_cudnn_attention  # noqa: E402
 from tasks.core.config import FinetuneParams  # noqa: E402
 

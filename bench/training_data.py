@@ -33,12 +33,12 @@ sys.path.insert(0, str(ROOT / "tests"))
 from tiny_model import make_tiny_bert  # noqa: E402
 
 import tasks.train.driver  # noqa: E402
+from tasks.contracts.shards import shard_schema  # noqa: E402
 from tasks.core import cluster  # noqa: E402
 from tasks.core.config import DataConfig, ModelConfig  # noqa: E402
 from tasks.core.data import load_splits  # noqa: E402
 from tasks.core.layout import RunStore  # noqa: E402
 from tasks.core.train_config import TrainConfig  # noqa: E402
-from tasks.tokenize.contract import shard_schema  # noqa: E402
 from tasks.tokenize.driver import tokenize_key  # noqa: E402
 from tasks.tokenize.task import tokenize  # noqa: E402
 from tasks.train.task import train  # noqa: E402

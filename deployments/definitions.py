@@ -1,5 +1,5 @@
 """ftflow's Prefect deployments, defined once: served by the local stack (deployments/serve.py) or
-registered with a work pool for a cluster (`ftflow deploy`, flows/cli.py).
+registered with a work pool for a cluster (`ftflow deploy`, ftflow/cli.py).
 
     finetune/retrain          on the schedule in retrain.yaml (cron, time zone), with its parameters; and
                               on a "new data" event (tasks/prefect_side/events.py), training on the event's train_uri

@@ -5,12 +5,12 @@ from __future__ import annotations
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 
+from tasks.contracts.labels import Labelled
 from tasks.core.config import BatchInferParams
 from tasks.core.reaper import reap_on_exit
-from tasks.infer.contract import Labelled
 from tasks.infer.task import predict_files
-from tasks.report.task import Stopwatch, publish_inference_report
-from tasks.validate.checks import batch_infer_inputs
+from tasks.report import Stopwatch, publish_inference_report
+from tasks.validate import batch_infer_inputs
 
 
 @flow(name="batch_infer")

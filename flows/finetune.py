@@ -8,25 +8,23 @@ from prefect import flow, get_run_logger
 from prefect.context import FlowRunContext
 from pydantic import BaseModel
 
+from tasks.contracts.metrics import AnyMetrics
+from tasks.contracts.sweep import SweepResult
+from tasks.contracts.training import Result
 from tasks.core import cluster
 from tasks.core.config import FinetuneParams
 from tasks.core.layout import RunStore, refuse_overlap
 from tasks.core.progress import RUN_DIR
 from tasks.core.reaper import reap_on_exit
-from tasks.evaluate.contract import AnyMetrics
 from tasks.evaluate.task import evaluate
 from tasks.infer.task import predict_files, write_test_labels
 from tasks.promote.task import promote
-from tasks.report.manifest import DataRecord, Outputs, Results, write_manifest
-from tasks.report.task import Stopwatch, publish_report
-from tasks.report.tracking import import_beside, track
-from tasks.sweep.contract import SweepResult
-from tasks.tokenize.driver import TokenizeKey, checked_key
+from tasks.report import DataRecord, Outputs, Results, Stopwatch, import_beside, publish_report, track, write_manifest
+from tasks.tokenize import TokenizeKey, checked_key
 from tasks.tokenize.task import tokenize
-from tasks.train.contract import Result
-from tasks.train.plan import check_parallelism
+from tasks.train import check_parallelism
 from tasks.train.task import check_training_plan, train
-from tasks.validate.checks import RunInputs, run_inputs
+from tasks.validate import RunInputs, run_inputs
 
 
 class RunSummary(BaseModel):

@@ -9,8 +9,7 @@ from flows.finetune import RunSummary, Trained, concluded, new_run_id, prepared
 from tasks.core.layout import RunStore
 from tasks.core.reaper import reap_on_exit
 from tasks.core.sweep_config import SweepParams
-from tasks.report.task import Stopwatch
-from tasks.report.tracking import import_beside
+from tasks.report import Stopwatch, import_beside
 from tasks.sweep.task import same_search, sweep_trials
 
 

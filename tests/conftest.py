@@ -28,7 +28,7 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 # demands, which gloo on a CPU would let pass.
 HOOKS_DIR = Path(tempfile.mkdtemp(prefix="ftflow-test-hooks-"))
 atexit.register(shutil.rmtree, HOOKS_DIR, ignore_errors=True)
-# The commands' logs (flows/console.py) in the session's folder, not the user's ~/.local/state.
+# The commands' logs (ftflow/console.py) in the session's folder, not the user's ~/.local/state.
 os.environ["XDG_STATE_HOME"] = str(HOOKS_DIR / "state")
 os.environ["PYTHONPATH"] = os.pathsep.join(
     filter(None, [str(Path(__file__).parent / "hooks"), os.environ.get("PYTHONPATH")])
@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from tiny_model import make_tiny_bert  # noqa: E402
 
-from flows.temporary_api import free_port  # noqa: E402 -- the tests' free ports, as the command finds its own
+from ftflow.temporary_api import free_port  # noqa: E402 -- the tests' free ports, as the command finds its own
 from tasks.core.config import SHIPPED_DATA  # noqa: E402
 
 S3_KEY, S3_SECRET = "ftflow-test-key", "ftflow-test-secret-do-not-log"

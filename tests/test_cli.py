@@ -21,7 +21,7 @@ from rich.console import Console
 from test_flow import params
 from test_train import checkpoint_committed
 
-from flows import console
+from ftflow import console
 from tasks.core.config import SHIPPED_DATA, BatchInferParams, FinetuneParams
 from tasks.core.storage import read_json
 

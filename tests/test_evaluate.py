@@ -6,8 +6,9 @@ import numpy as np
 from scipy.stats import pearsonr, spearmanr
 from sklearn.metrics import f1_score
 
-from tasks.evaluate.contract import GRID, THRESHOLD, MultiLabelMetrics, RegressionMetrics, tuned_thresholds
-from tasks.train.contract import Predictions
+from tasks.contracts.metrics import MultiLabelMetrics, RegressionMetrics
+from tasks.contracts.training import Predictions
+from tasks.core.scoring import GRID, THRESHOLD, tuned_thresholds
 
 
 def test_multi_label_thresholds_are_tuned_per_label_and_scores_match_scikit_learn():
@@ -15,7 +16,7 @@ def test_multi_label_thresholds_are_tuned_per_label_and_scores_match_scikit_lear
     truth = (rng.random((400, 3)) < [0.5, 0.1, 0.0]).astype(float)  # the last label: no row has it
     probabilities = np.clip(truth * 0.3 + rng.random((400, 3)) * 0.6, 0, 1)  # right above ~0.3, not 0.5
     validation = Predictions(task="multi_label", outputs=probabilities.tolist(), targets=truth.tolist())
-    thresholds = tuned_thresholds(validation)
+    thresholds = tuned_thresholds(validation.outputs, validation.targets)
     for label in range(2):  # the grid's best F1 on the validation rows, of equals the nearest 0.5
         f1 = [f1_score(truth[:, label], probabilities[:, label] >= t) for t in GRID]
         assert thresholds[label] == min(

@@ -23,18 +23,18 @@ from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, Fl
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from flows.finetune import finetune
+from tasks.contracts.metrics import Metrics
+from tasks.contracts.promotion import resolve
+from tasks.contracts.training import Curve, EpochRecord, Predictions, Result
 from tasks.core import layout, storage
 from tasks.core.config import DataConfig, FinetuneParams, PromotionConfig
 from tasks.core.data import load_splits
 from tasks.core.layout import MARKER, RunStore
-from tasks.evaluate.contract import Metrics
-from tasks.promote.contract import resolve
 from tasks.promote.rescore import score
 from tasks.promote.task import Decision, promote
 from tasks.report.manifest import Results
 from tasks.report.task import summary as report_summary
 from tasks.report.tracking import track
-from tasks.train.contract import Curve, EpochRecord, Predictions, Result
 
 
 def test_a_model_that_loses_leaves_the_champion_untouched(local_run, tmp_path):

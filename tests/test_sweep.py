@@ -18,11 +18,11 @@ from test_flow import params, run_artifacts
 from test_train import checkpoint_committed
 
 from flows.sweep import sweep
+from tasks.contracts.training import STATE_FILE
 from tasks.core import storage
 from tasks.core.sweep_config import SweepConfig, SweepParams
 from tasks.core.train_config import TrainConfig
 from tasks.report.tracking import tracking_uri
-from tasks.train.contract import STATE_FILE
 
 # One that throws the model's validation loss far up in a few steps, one that leaves it where it is:
 # drawn with seed 3, the second comes first, so ASHA has a better trial to stop the others against.

@@ -20,6 +20,7 @@ import torch
 from conftest import fault_injected
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
+from tasks.contracts.training import STATE_FILE, Result
 from tasks.core.config import DataConfig, ModelConfig
 from tasks.core.data import load_splits
 from tasks.core.layout import RunStore
@@ -28,7 +29,6 @@ from tasks.core.text import padded
 from tasks.core.train_config import TrainConfig
 from tasks.tokenize.driver import tokenize_key
 from tasks.tokenize.task import tokenize
-from tasks.train.contract import STATE_FILE, Result
 from tasks.train.plan import planned
 from tasks.train.task import train
 

@@ -11,8 +11,8 @@ from tasks.core.cluster import Resources
 from tasks.core.config import ModelConfig
 from tasks.core.sweep_config import SweepParams
 from tasks.core.train_config import TrainConfig
-from tasks.train.deepspeed_config import deepspeed_config
-from tasks.train.plan import check_parallelism, plan
+from tasks.train.deepspeed_json import deepspeed_config
+from tasks.train.plan import check_parallelism, plan_of
 
 LAPTOP, GPU_NODE = Resources(cpus=2, gpus=0), Resources(cpus=16, gpus=2)
 # KubeRay's shipped cluster at rest: a head that takes no work, a GPU group scaled to zero.
@@ -21,7 +21,7 @@ GPUS_ON_DEMAND = Resources(cpus=0, gpus=0, node_cpus=0, can_grow=True)
 
 def test_defaults_fit_the_machine_with_no_accumulation():
     """One worker with every CPU on one machine (no all-reduce); one worker per CPU on several nodes."""
-    p = plan(TrainConfig(), LAPTOP)
+    p = plan_of(TrainConfig(), LAPTOP)
     assert (p.workers, p.cpus_per_worker, p.micro_batch, p.accumulation, p.use_gpu, p.precision) == (
         1,
         2,
@@ -35,16 +35,16 @@ def test_defaults_fit_the_machine_with_no_accumulation():
         == "1 CPU worker(s) of 2 CPU x micro-batch 32 x accumulation 1 = global batch 32, ZeRO-0, fp32"
     )
     assert (
-        plan(TrainConfig(num_workers=2), LAPTOP).cpus_per_worker,
-        plan(TrainConfig(cpus_per_worker=0.5), LAPTOP).workers,
+        plan_of(TrainConfig(num_workers=2), LAPTOP).cpus_per_worker,
+        plan_of(TrainConfig(cpus_per_worker=0.5), LAPTOP).workers,
     ) == (1, 4)
-    two_nodes = plan(TrainConfig(), Resources(cpus=16, gpus=0, node_cpus=8))
+    two_nodes = plan_of(TrainConfig(), Resources(cpus=16, gpus=0, node_cpus=8))
     assert (two_nodes.workers, two_nodes.cpus_per_worker, two_nodes.micro_batch) == (16, 1, 2)
 
 
 def test_accumulation_is_what_the_global_batch_leaves_over():
     cfg = TrainConfig(num_workers=1, micro_batch_size=8, batch_size=32)
-    p = plan(cfg, LAPTOP)
+    p = plan_of(cfg, LAPTOP)
     assert (p.micro_batch, p.accumulation) == (8, 4)
     ds = deepspeed_config(cfg, p, total_steps=100)
     assert ds["train_batch_size"] == 32 and ds["train_micro_batch_size_per_gpu"] == 8
@@ -53,7 +53,7 @@ def test_accumulation_is_what_the_global_batch_leaves_over():
 
 
 def test_gpu_cluster_gets_one_worker_per_gpu_and_mixed_precision():
-    p = plan(TrainConfig(), GPU_NODE)
+    p = plan_of(TrainConfig(), GPU_NODE)
     assert (p.workers, p.use_gpu, p.precision) == (2, True, "auto")
 
 
@@ -78,14 +78,14 @@ def test_gpu_cluster_gets_one_worker_per_gpu_and_mixed_precision():
 )
 def test_what_cannot_run_here_is_refused_with_what_to_change(cfg, resources, message):
     with pytest.raises(ValueError, match=message):
-        plan(cfg, resources)
+        plan_of(cfg, resources)
 
 
 def test_a_cluster_that_grows_is_asked_for_what_the_config_says():
     """Requests, not limits read off the nodes up now: the autoscaler adds the nodes they need."""
-    p = plan(TrainConfig(num_workers=4, device="gpu", batch_size=64), GPUS_ON_DEMAND)
+    p = plan_of(TrainConfig(num_workers=4, device="gpu", batch_size=64), GPUS_ON_DEMAND)
     assert (p.workers, p.micro_batch, p.use_gpu, p.precision) == (4, 16, True, "auto")
-    assert plan(TrainConfig(), GPUS_ON_DEMAND).workers == 1, "by default, what fits now (at least one)"
+    assert plan_of(TrainConfig(), GPUS_ON_DEMAND).workers == 1, "by default, what fits now (at least one)"
     assert GPUS_ON_DEMAND.inference_actors(3, use_gpu=True) == (3, 1.0, 1)
     assert GPUS_ON_DEMAND.inference_actors(2, use_gpu=False) == (2, 1.0, 0), (
         "CPU actors on nodes yet to come: one CPU each"
@@ -143,7 +143,7 @@ def test_offload_uses_deepspeeds_cpu_adam_and_raw_overrides_win():
         offload_params=True,
         deepspeed={"zero_optimization": {"reduce_bucket_size": 1000}, "steps_per_print": 50},
     )
-    ds = deepspeed_config(cfg, plan(cfg, LAPTOP), total_steps=10, hidden_size=384)
+    ds = deepspeed_config(cfg, plan_of(cfg, LAPTOP), total_steps=10, hidden_size=384)
     zero = ds["zero_optimization"]
     assert zero["stage"] == 3 and zero["reduce_bucket_size"] == 1000
     assert (
@@ -152,15 +152,15 @@ def test_offload_uses_deepspeeds_cpu_adam_and_raw_overrides_win():
     assert zero["offload_optimizer"]["device"] == zero["offload_param"]["device"] == "cpu"
     assert ds["optimizer"]["params"]["torch_adam"] is False
     assert ds["steps_per_print"] == 50
-    plain = deepspeed_config(TrainConfig(), plan(TrainConfig(), LAPTOP), total_steps=10)
+    plain = deepspeed_config(TrainConfig(), plan_of(TrainConfig(), LAPTOP), total_steps=10)
     assert "offload_optimizer" not in plain["zero_optimization"] and plain["optimizer"]["params"]["torch_adam"] is True
 
 
 def test_tensor_parallel_groups_take_the_workers_in_whole_groups():
     cfg = TrainConfig(tensor_parallel_size=2)
-    p = plan(cfg, LAPTOP)
+    p = plan_of(cfg, LAPTOP)
     assert (p.workers, p.cpus_per_worker, p.micro_batch) == (2, 1, 16), "one group of 2 on a laptop, sharing its CPUs"
-    assert plan(cfg.model_copy(update={"batch_size": 48}), Resources(cpus=7, gpus=0, node_cpus=4)).workers == 6, (
+    assert plan_of(cfg.model_copy(update={"batch_size": 48}), Resources(cpus=7, gpus=0, node_cpus=4)).workers == 6, (
         "of 7 that fit, 3 whole groups"
     )
     ds = deepspeed_config(cfg, p, total_steps=10)

@@ -11,9 +11,9 @@ import ray.train
 from ray.train import RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
+from tasks.contracts.shards import shard_schema
 from tasks.core.targets import Targets
 from tasks.core.train_config import TrainConfig
-from tasks.tokenize.contract import shard_schema
 from tasks.train.batches import training_batches
 from tasks.train.ingest import data_config, split
 from tasks.train.stream import drawn

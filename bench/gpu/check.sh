@@ -42,7 +42,7 @@ echo "ftflow at ${rev:-a commit this copy does not say (no .git)}"
 
 if want doctor; then
 log "ftflow doctor"; t1=$(date +%s)
-timeout -s INT -k 10 120 python3 -m flows.cli doctor --storage-root /tmp/art > "$O/doctor.txt" 2>&1; rc=$?
+timeout -s INT -k 10 120 python3 -m ftflow.cli doctor --storage-root /tmp/art > "$O/doctor.txt" 2>&1; rc=$?
 quiet "$O/doctor.txt" | tail -30
 result "RESULT ftflow doctor: exit $rc$( ((rc == 124)) && echo ' (killed at 120 s)'), $(( $(date +%s) - t1 )) s"
 stop_ray
@@ -76,7 +76,7 @@ for step in $STEPS; do [ -n "${E2E[$step]:-}" ] && e2e "$step" ${E2E[$step]}; do
 
 # A stall report (every worker's stack, the GPUs) under the run's stall/ when no step shows for 45 s.
 STALL=(); grep -q "stall_warning_s" tasks/core/config.py && STALL=(--set train.stall_warning_s=45)
-FTFLOW_RUN=(python3 -m flows.cli run --set model.name_or_path=/tmp/bert --set storage_root=/tmp/art)  # every run's
+FTFLOW_RUN=(python3 -m ftflow.cli run --set model.name_or_path=/tmp/bert --set storage_root=/tmp/art)  # every run's
 # ftflow run NAME CAP TRAIN_S ARGS...: the run's limit is CAP (keeping 90 s for the baselines after the
 # runs), training's own train.timeout_s TRAIN_S. A working run: ~30-60 s of start-up, the epoch (~17 s of
 # compute on an H100 at batch 32), evaluation, batch inference of the test split and the report.
@@ -138,7 +138,7 @@ elif (( t < 45 )); then result "RESULT ftflow infer: skipped, $(( DEADLINE - $(e
 else
   python3 bench/gpu/corpus.py data/rotten_tomatoes/train.jsonl /tmp/corpus 100000 16
   log "ftflow infer, 100,000 rows: limit $t s"; t1=$(date +%s)
-  timeout -s INT -k 10 "$t" python3 -m flows.cli infer "$m" /tmp/corpus /tmp/preds --device gpu --batch-size 256 > "$O/infer.txt" 2>&1
+  timeout -s INT -k 10 "$t" python3 -m ftflow.cli infer "$m" /tmp/corpus /tmp/preds --device gpu --batch-size 256 > "$O/infer.txt" 2>&1
   rc=$?; secs=$(( $(date +%s) - t1 )); quiet "$O/infer.txt" | tail -6
   result "RESULT ftflow infer, batch 256: $(grep -oP '^rows/s:\s*\K[\d,]+' "$O/infer.txt" || echo '-') rows/s (its job), 100,000 rows, $secs s wall with start-up, exit $rc"
   stop_ray; t=$(allow 60 0)
@@ -153,7 +153,7 @@ for engine in compile deepspeed; do want engines || break
   t=$(allow 150 0)
   if [ -z "$m" ] || [ ! -d /tmp/corpus ] || (( t < 45 )); then result "RESULT ftflow infer, engine $engine: skipped"; continue; fi
   log "ftflow infer, 100,000 rows, engine $engine: limit $t s"; t1=$(date +%s)
-  timeout -s INT -k 10 "$t" python3 -m flows.cli infer "$m" /tmp/corpus "/tmp/preds-$engine" --device gpu --batch-size 256 \
+  timeout -s INT -k 10 "$t" python3 -m ftflow.cli infer "$m" /tmp/corpus "/tmp/preds-$engine" --device gpu --batch-size 256 \
     --engine "$engine" > "$O/infer-$engine.txt" 2>&1
   rc=$?; secs=$(( $(date +%s) - t1 )); quiet "$O/infer-$engine.txt" | tail -6
   result "RESULT ftflow infer, engine $engine, batch 256: $(grep -oP '^rows/s:\s*\K[\d,]+' "$O/infer-$engine.txt" || echo '-') rows/s (its job), $secs s wall with start-up, exit $rc"

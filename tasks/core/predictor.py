@@ -18,9 +18,9 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 from tasks.core.attention import without_cudnn_attention
 from tasks.core.first_token import last_layer_at_first_token
 from tasks.core.objective import outputs_of
+from tasks.core.scoring import THRESHOLD
 from tasks.core.targets import Targets, task_of
 from tasks.core.text import encoded, local_model, padded, truncating
-from tasks.evaluate.contract import THRESHOLD
 
 
 class Predictor:

@@ -1,6 +1,6 @@
 """Where a stage stands, as it runs: a Tick is logged on the `ftflow` logger with the tick attached
 (`log.info(tick.line(), extra={TICK: tick})`), so the same record is a line in the Prefect run's log,
-a progress artifact's percentage (tasks/prefect_side/live.py) and a bar in the `ftflow` console (flows/console.py),
+a progress artifact's percentage (tasks/prefect_side/live.py) and a bar in the `ftflow` console (ftflow/console.py),
 from this process or from a Ray Job's log (tasks/core/jobs.py carries ticks on the wire).
 
 Ray workers post ticks, lines (say), heartbeats (beat) and running counts (tally) on a channel

@@ -23,10 +23,7 @@ from tasks.core.config import DataConfig
 from tasks.core.strict import first_line
 from tasks.core.train_config import TrainConfig
 from tasks.doctor.worker import SEQUENCE_LENGTH, TINY_BERT, NodeReport, StepReport, node_report, one_step
-from tasks.train.contract import WorkerSpec
-from tasks.train.deepspeed_config import deepspeed_config
-from tasks.train.plan import plan as train_plan
-from tasks.train.trainer import Trainer, worker_exception
+from tasks.train import Trainer, WorkerSpec, deepspeed_config, plan_of, worker_exception
 
 T = TypeVar("T")
 # Each Ray check's wait. Seen on a 2-core CPU machine that other jobs kept busy (load 2-15): a local
@@ -178,13 +175,13 @@ def ray_check() -> Check:
 
 def step_checks() -> list[Check]:
     """One DeepSpeed step on up to 2 of the cluster's devices, with the DeepSpeed JSON a run on them
-    would use (tasks/train/plan.py and deepspeed_config.py, training's defaults); then the all-reduce."""
+    would use (tasks/train/plan.py and deepspeed_json.py, training's defaults); then the all-reduce."""
     resources = cluster.Resources.of_cluster()
     use_gpu = resources.use_gpu("auto")
     cfg = TrainConfig(
         num_workers=min(2, max(1, resources.gpus if use_gpu else int(resources.cpus))), collective_timeout_s=120
     )
-    plan = train_plan(cfg, resources)
+    plan = plan_of(cfg, resources)
     spec = WorkerSpec(
         train=cfg,
         plan=plan,

@@ -15,8 +15,7 @@ import torch.distributed as dist
 from pydantic import BaseModel
 from transformers import BertConfig, BertForSequenceClassification
 
-from tasks.train.contract import WorkerSpec
-from tasks.train.engine import join_process_group, param_groups, precision_of, resolve_precision
+from tasks.train import WorkerSpec, join_process_group, param_groups, precision_of, resolve_precision
 
 # Built in the worker from its config alone: no download, no file, a step in milliseconds.
 TINY_BERT = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)

@@ -7,12 +7,12 @@ from __future__ import annotations
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
+from tasks.contracts.metrics import AnyMetrics, Metrics, MultiLabelMetrics, RegressionMetrics, details_markdown
+from tasks.contracts.training import Result
 from tasks.core import storage
 from tasks.core.data import Split, shown
 from tasks.core.layout import RunStore
-from tasks.evaluate.contract import AnyMetrics, Metrics, MultiLabelMetrics, RegressionMetrics, details_markdown
 from tasks.prefect_side.retries import RETRY_TRANSIENT
-from tasks.train.contract import Result
 
 
 def test_metrics(splits: dict[str, Split], training: Result) -> AnyMetrics:

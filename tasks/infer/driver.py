@@ -11,11 +11,11 @@ from dataclasses import asdict
 import ray
 from ray.data import DataContext
 
+from tasks.contracts.labels import Labelled, Reading
 from tasks.core import cluster, jobs, layout, storage
 from tasks.core.config import InferenceConfig
 from tasks.core.data import cut, expand_inputs, numbered, rows_per_byte
 from tasks.core.progress import Tick, log_tick, tallied
-from tasks.infer.contract import Labelled, Reading
 from tasks.infer.labels import completed, file_names
 from tasks.infer.worker import Counts, Labeller, Part
 

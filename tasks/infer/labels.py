@@ -16,12 +16,12 @@ import pyarrow as pa
 import pyarrow.dataset
 import pyarrow.parquet as pq
 
+from tasks.contracts.labels import Labelled, Reading, labels_schema
+from tasks.contracts.training import Predictions
 from tasks.core import layout, storage
 from tasks.core.config import InferenceConfig
 from tasks.core.data import Split, iter_frames
 from tasks.core.targets import Targets
-from tasks.infer.contract import Labelled, Reading, labels_schema
-from tasks.train.contract import Predictions
 
 
 def file_names(files: list[str]) -> dict[str, str]:

@@ -7,15 +7,15 @@ from __future__ import annotations
 from prefect import task
 from prefect.artifacts import create_table_artifact
 
+from tasks.contracts.labels import Labelled
+from tasks.contracts.training import Result
 from tasks.core import jobs
 from tasks.core.config import InferenceConfig
 from tasks.core.data import Split
-from tasks.infer.contract import Labelled
 from tasks.infer.driver import labelled
 from tasks.infer.labels import from_predictions
 from tasks.prefect_side.live import Tracked
 from tasks.prefect_side.retries import RETRY_TRANSIENT
-from tasks.train.contract import Result
 
 # The stage's progress artifact in the UI: key, description.
 PROGRESS = ("batch-inference-progress", "Batch inference: % of the rows labelled (estimated until every part is read)")

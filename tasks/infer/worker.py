@@ -21,9 +21,9 @@ import pandas as pd
 import pyarrow.parquet as pq
 from pydantic import BaseModel
 
+from tasks.contracts.labels import Reading, labels_schema
 from tasks.core import progress
 from tasks.core.data import DataError, Piece, file_format, iter_frames, reading
-from tasks.infer.contract import Reading, labels_schema
 from tasks.infer.labels import columns, labels_table
 
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 import numpy as np
 import ray
 
+from tasks.contracts.metrics import AnyMetrics, Metrics, MultiLabelMetrics, RegressionMetrics
 from tasks.core import cluster
 from tasks.core.data import Split, labelled_frames, target_matrix
-from tasks.evaluate.contract import AnyMetrics, Metrics, MultiLabelMetrics, RegressionMetrics
 
 
 def score(model_uri: str, test: Split, batch_size: int) -> AnyMetrics:

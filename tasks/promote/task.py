@@ -23,14 +23,14 @@ from datetime import UTC, datetime
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 
+from tasks.contracts.metrics import AnyMetrics
+from tasks.contracts.promotion import Champion, Decision
 from tasks.core import jobs, layout, storage
 from tasks.core.config import InferenceConfig, PromotionConfig
 from tasks.core.data import Split
 from tasks.core.layout import RunStore
-from tasks.evaluate.contract import AnyMetrics
 from tasks.prefect_side import events
 from tasks.prefect_side.retries import RETRY_TRANSIENT
-from tasks.promote.contract import Champion, Decision
 from tasks.promote.rescore import score
 
 

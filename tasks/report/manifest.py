@@ -10,14 +10,14 @@ from importlib.metadata import version
 from prefect import task
 from pydantic import BaseModel
 
+from tasks.contracts.labels import Labelled
+from tasks.contracts.metrics import AnyMetrics
+from tasks.contracts.promotion import Decision
+from tasks.contracts.sweep import SweepResult
+from tasks.contracts.training import Result
 from tasks.core import storage
 from tasks.core.data import Split
-from tasks.evaluate.contract import AnyMetrics
-from tasks.infer.contract import Labelled
 from tasks.prefect_side.retries import RETRY_TRANSIENT
-from tasks.promote.contract import Decision
-from tasks.sweep.contract import SweepResult
-from tasks.train.contract import Result
 
 PACKAGES = ("torch", "transformers", "tokenizers", "deepspeed", "ray", "prefect", "pyarrow", "fsspec", "s3fs")
 

@@ -18,17 +18,17 @@ from matplotlib.figure import Figure
 from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
+from tasks.contracts.labels import Labelled
+from tasks.contracts.metrics import AnyMetrics, Metrics, MultiLabelMetrics, RegressionMetrics, details_markdown
+from tasks.contracts.promotion import Decision
+from tasks.contracts.sweep import SweepResult, shown
+from tasks.contracts.training import Curve, Marks, Predictions, Result
 from tasks.core import layout, storage
 from tasks.core.data import Split
 from tasks.core.layout import RunStore
 from tasks.core.progress import STAGE
-from tasks.evaluate.contract import AnyMetrics, Metrics, MultiLabelMetrics, RegressionMetrics, details_markdown
-from tasks.infer.contract import Labelled
 from tasks.prefect_side.retries import RETRY_TRANSIENT
-from tasks.promote.contract import Decision
 from tasks.report.manifest import Outputs, Results, versions
-from tasks.sweep.contract import SweepResult, shown
-from tasks.train.contract import Curve, Marks, Predictions, Result
 
 PLOTS = {
     "training": "training.png",

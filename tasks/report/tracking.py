@@ -20,11 +20,11 @@ from urllib.parse import urlsplit
 
 from prefect import get_run_logger, task
 
+from tasks.contracts.sweep import SweepResult
 from tasks.core import layout, storage
 from tasks.core.config import FinetuneParams
 from tasks.core.layout import RunStore
 from tasks.report.manifest import Results
-from tasks.sweep.contract import SweepResult
 
 # MLflow's client retries a failing HTTP request for minutes by default; a run waits for none of it.
 HTTP_RETRIES, HTTP_TIMEOUT_S = "0", "10"

@@ -16,6 +16,8 @@ from ray import tune
 from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 from ray.tune.search.basic_variant import BasicVariantGenerator
 
+from tasks.contracts.sweep import Ended, SweepResult, TrialRecord, searched, shown
+from tasks.contracts.training import STATE_FILE, Result
 from tasks.core import jobs, storage
 from tasks.core.config import ModelConfig
 from tasks.core.layout import RunStore
@@ -24,10 +26,8 @@ from tasks.core.strict import first_line
 from tasks.core.sweep_config import SweepConfig
 from tasks.core.targets import Targets
 from tasks.core.train_config import TrainConfig
-from tasks.sweep.contract import Ended, SweepResult, TrialRecord, searched, shown
 from tasks.sweep.trial import run_trial
-from tasks.train.contract import STATE_FILE, Result
-from tasks.train.trainer import release_placement_groups
+from tasks.train import release_placement_groups
 
 TRIAL_DRIVER_MEMORY = 256 * 2**20
 RELEASE_POLL_S = 0.2

@@ -7,6 +7,7 @@ from typing import Any
 
 from prefect import task
 
+from tasks.contracts.sweep import SweepResult, searched
 from tasks.core import jobs, storage
 from tasks.core.config import ModelConfig
 from tasks.core.layout import RunStore
@@ -16,7 +17,6 @@ from tasks.core.train_config import TrainConfig
 from tasks.prefect_side.limits import TRAINING_TAG
 from tasks.prefect_side.live import Tracked
 from tasks.prefect_side.retries import RETRY_TRANSIENT
-from tasks.sweep.contract import SweepResult, searched
 from tasks.sweep.driver import search
 
 

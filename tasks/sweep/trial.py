@@ -16,7 +16,7 @@ from tasks.core.layout import RunStore
 from tasks.core.progress import say
 from tasks.core.targets import Targets
 from tasks.core.train_config import TrainConfig
-from tasks.train.driver import trained
+from tasks.train import trained
 
 
 class Warnings(logging.Handler):

@@ -15,10 +15,10 @@ import pyarrow.parquet as pq
 from pydantic import BaseModel
 from tokenizers import Tokenizer
 
+from tasks.contracts.shards import shard_schema
 from tasks.core import progress, storage
 from tasks.core.data import SPLITS, Piece, Schema, Split, labelled_frames
 from tasks.core.text import encoded
-from tasks.tokenize.contract import shard_schema
 
 SHARD_BYTES = 256 << 20  # the most input one task tokenizes into one Parquet file
 

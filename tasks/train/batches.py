@@ -24,12 +24,12 @@ import pyarrow.dataset
 import ray.train
 import torch
 
+from tasks.contracts.shards import SHARD_COLUMNS
 from tasks.core import storage
 from tasks.core.text import padded
 from tasks.core.train_config import TrainConfig
-from tasks.tokenize.contract import SHARD_COLUMNS
-from tasks.train.contract import EvaluationSplit
 from tasks.train.ingest import padding_rows
+from tasks.train.spec import EvaluationSplit
 
 
 def collate(batch: dict[str, np.ndarray], pad_id: int, pin: bool) -> dict[str, torch.Tensor]:

@@ -1,5 +1,5 @@
 """Stage 2, the driver side (a Ray job on the cluster, no Prefect): plan the run (tasks/train/plan.py),
-derive the DeepSpeed JSON (tasks/train/deepspeed_config.py), hand the streamed splits
+derive the DeepSpeed JSON (tasks/train/deepspeed_json.py), hand the streamed splits
 (tasks/train/ingest.py) to Ray Train, and return what the workers (tasks/train/worker.py) recorded,
 a Result (tasks/train/contract.py)."""
 
@@ -27,6 +27,7 @@ from ray.train.v2._internal.constants import (
 )
 from ray.train.v2._internal.exceptions import WorkerGroupStartupTimeoutError
 
+from tasks.contracts.training import SCORE, STATE_FILE, ClusterInfo, Result
 from tasks.core import cluster, jobs, storage
 from tasks.core.config import ModelConfig
 from tasks.core.layout import RunStore
@@ -34,11 +35,11 @@ from tasks.core.models import model_config
 from tasks.core.progress import relayed
 from tasks.core.targets import Targets
 from tasks.core.train_config import TrainConfig
-from tasks.train.contract import SCORE, STATE_FILE, ClusterInfo, EvaluationSplit, Plan, Result, WorkerSpec
-from tasks.train.deepspeed_config import deepspeed_config
+from tasks.train.deepspeed_json import deepspeed_config
 from tasks.train.entry import train_worker
 from tasks.train.ingest import data_config, rows_in, split
 from tasks.train.plan import cpu_has_native_bf16, planned
+from tasks.train.spec import EvaluationSplit, Plan, WorkerSpec
 from tasks.train.trainer import RUN_NAME, Trainer, worker_exception
 from tasks.train.watch import FailureRelay, Watchdog
 

@@ -19,8 +19,8 @@ from tasks.core.first_token import last_layer_at_first_token
 from tasks.core.models import hub_free
 from tasks.core.targets import Targets
 from tasks.train import pipeline
-from tasks.train.contract import WorkerSpec
 from tasks.train.replica import Replica
+from tasks.train.spec import WorkerSpec
 from tasks.train.watch import Pulse
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 
 def train_worker(config: dict) -> None:
-    from tasks.train.contract import WorkerSpec
+    from tasks.train.spec import WorkerSpec
     from tasks.train.stream import first_epoch_started
 
     spec = WorkerSpec.model_validate(config["spec"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from tasks.contracts.training import Choice
 from tasks.core import cluster
 from tasks.core.config import ModelConfig
 from tasks.core.first_token import FIRST_TOKEN_CLASSIFIERS
@@ -12,7 +13,7 @@ from tasks.core.models import model_config
 from tasks.core.targets import Targets
 from tasks.core.train_config import TrainConfig
 from tasks.train import strategy
-from tasks.train.contract import Choice, Plan
+from tasks.train.spec import Plan
 
 # Models AutoTP splits as ftflow has seen it train and export (tests/test_train.py): BERT's layer
 # and its copies, with query, key, value and the intermediate split by columns, the attention output
@@ -56,7 +57,7 @@ def check_parallelism(cfg: TrainConfig, model: ModelConfig) -> None:
             )
 
 
-def plan(cfg: TrainConfig, resources: cluster.Resources) -> Plan:
+def plan_of(cfg: TrainConfig, resources: cluster.Resources) -> Plan:
     """Resolve device, workers, micro-batch, accumulation and precision, or say what to change."""
     use_gpu = resources.use_gpu(cfg.device)
     cpus_per_worker = worker_cpus(cfg, resources, use_gpu)
@@ -92,7 +93,7 @@ def resolved(
     cfg: TrainConfig, model: ModelConfig, labels: int, resources: cluster.Resources
 ) -> tuple[TrainConfig, Choice | None]:
     """The config as it trains: with strategy=auto, the fastest candidate (tasks/train/strategy.py) whose
-    estimated need per worker, as `plan` would run it here, is within the memory a worker has."""
+    estimated need per worker, as `plan_of` would run it here, is within the memory a worker has."""
     if cfg.strategy == "manual":
         return cfg, None
     size, use_gpu = strategy.ModelSize.of(model.name_or_path, labels), resources.use_gpu(cfg.device)
@@ -102,7 +103,7 @@ def resolved(
     for candidate in strategy.candidates(cfg, use_gpu):
         try:
             check_parallelism(candidate, model)
-            the_plan = plan(candidate, resources)
+            the_plan = plan_of(candidate, resources)
         except ValueError:  # a split this model, or this cluster, cannot take
             continue
         if the_plan.cpus_per_worker * candidate.tensor_parallel_size > resources.node_cpus:
@@ -122,7 +123,7 @@ def planned(model: ModelConfig, targets: Targets, cfg: TrainConfig) -> tuple[Tra
     check_parallelism(cfg, model)
     resources = cluster.Resources.of_cluster()
     cfg, choice = resolved(cfg, model, targets.width, resources)
-    return cfg, choice, plan(cfg, resources)
+    return cfg, choice, plan_of(cfg, resources)
 
 
 def check_plan(model: ModelConfig, targets: Targets, cfg: TrainConfig) -> None:

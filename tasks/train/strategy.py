@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tasks.contracts.training import Choice
 from tasks.core.models import hub_free
 from tasks.core.train_config import AUTO_CHOOSES, TrainConfig
-from tasks.train.contract import Choice
 
 GIB = 2**30
 # What a CPU worker holds before its model: Python, torch, transformers, DeepSpeed and Ray's worker

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from prefect import get_run_logger, task
 
+from tasks.contracts.training import Result
 from tasks.core import jobs
 from tasks.core.config import ModelConfig
 from tasks.core.layout import RunStore
@@ -13,7 +14,6 @@ from tasks.core.train_config import TrainConfig
 from tasks.prefect_side.limits import TRAINING_TAG
 from tasks.prefect_side.live import Tracked
 from tasks.prefect_side.retries import RETRY_TRANSIENT
-from tasks.train.contract import Result
 from tasks.train.driver import fit
 from tasks.train.plan import check_plan
 

@@ -29,12 +29,7 @@ import torch
 import torch.distributed as dist
 from ray.train import Checkpoint
 
-from tasks.core import storage
-from tasks.core.objective import mean_loss, outputs_of, real_rows, right
-from tasks.core.progress import Tick, post, say
-from tasks.evaluate.contract import tuned_thresholds
-from tasks.train.batches import evaluation_batches, training_batches
-from tasks.train.contract import (
+from tasks.contracts.training import (
     SCORE,
     STATE_FILE,
     UNVALIDATED,
@@ -43,12 +38,16 @@ from tasks.train.contract import (
     Marks,
     Point,
     Predictions,
-    Progress,
     Result,
-    WorkerSpec,
 )
+from tasks.core import storage
+from tasks.core.objective import mean_loss, outputs_of, real_rows, right
+from tasks.core.progress import Tick, post, say
+from tasks.core.scoring import tuned_thresholds
+from tasks.train.batches import evaluation_batches, training_batches
 from tasks.train.engine import engine_line, setup
 from tasks.train.replica import Replica, on
+from tasks.train.spec import Progress, WorkerSpec
 from tasks.train.stream import drawn
 from tasks.train.watch import TRAINING, Pulse
 
@@ -448,6 +447,8 @@ class Recipe:
             marks=self.marks,
             stopped=stopped,
             kept=kept,
-            thresholds=tuned_thresholds(self.predictions) if spec.targets.task == "multi_label" else None,
+            thresholds=tuned_thresholds(self.predictions.outputs, self.predictions.targets)
+            if spec.targets.task == "multi_label"
+            else None,
         )
         export(self.replica, self.tokenizer, spec, result)

@@ -12,14 +12,14 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from tasks.contracts.labels import Reading
+from tasks.contracts.promotion import check_champion_task, resolve
 from tasks.core import layout, storage
 from tasks.core.config import BatchInferParams, DataConfig, FinetuneParams, InferenceConfig, default_storage_root
 from tasks.core.data import SPLITS, Split, check_columns, expand_inputs, load_splits
 from tasks.core.layout import OutputFolder, RunStore, refuse_overlap
 from tasks.core.models import saved_model, training_model
 from tasks.core.storage import check_writable
-from tasks.infer.contract import Reading
-from tasks.promote.contract import check_champion_task, resolve
 
 
 def splits_of(cfg: DataConfig) -> dict[str, Split]:

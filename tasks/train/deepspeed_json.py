@@ -4,7 +4,7 @@ raw `train.deepspeed` keys merged over it."""
 from __future__ import annotations
 
 from tasks.core.train_config import TrainConfig
-from tasks.train.contract import Plan
+from tasks.train.spec import Plan
 
 
 def merge(base: dict, override: dict) -> dict:

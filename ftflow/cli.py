@@ -30,8 +30,8 @@ import typer
 import typer._click as click  # typer 0.29 carries its own click: its exceptions are these
 from pydantic import ValidationError
 
-from flows import console
-from flows.params import BadInput, as_yaml, escape, fields_help, parameters, value
+from ftflow import console
+from ftflow.params import BadInput, as_yaml, escape, fields_help, parameters, value
 from tasks.core.config import RAY_ADDRESS, BatchInferParams, FinetuneParams, default_storage_root
 from tasks.core.strict import first_line as config_first_line
 from tasks.core.strict import one_line
@@ -97,12 +97,12 @@ def launched(flow_name: str, params: FinetuneParams, verbose: bool) -> None:
     """The flow on params, once the flow's own checks of the data, model and storage pass, with the
     console's bars and its summary at the end."""
     from tasks.core.layout import RunStore
-    from tasks.validate.checks import run_inputs
+    from tasks.validate import run_inputs
 
     run_inputs(params, RunStore(params.storage_root, params.run_id) if params.run_id else None)
     import prefect.main  # noqa: F401 -- Prefect sets its logging up at this import: before the console takes its loggers over
 
-    from flows.temporary_api import temporary_api
+    from ftflow.temporary_api import temporary_api
 
     api_answering = temporary_api()
     with console.session(verbose) as say:
@@ -199,12 +199,12 @@ def infer(
         )
     except ValidationError as error:
         raise BadInput(one_line(error)) from None
-    from tasks.validate.checks import batch_infer_inputs  # the flow's own checks, before anything starts
+    from tasks.validate import batch_infer_inputs  # the flow's own checks, before anything starts
 
     batch_infer_inputs(params)
     import prefect.main  # noqa: F401 -- as in run
 
-    from flows.temporary_api import temporary_api
+    from ftflow.temporary_api import temporary_api
 
     api_answering = temporary_api()
     with console.session(verbose) as say:
@@ -289,15 +289,15 @@ def doctor(
     """Check what a run needs, in about a minute: the Ray cluster, one DeepSpeed step and an all-reduce on
     its devices, bf16, DeepSpeed's CPU Adam op, storage, the Prefect API. One line per check; exit code 1
     if one fails."""
-    from tasks.doctor import checks  # Ray and the ML stack load only now
+    from tasks import doctor  # Ray and the ML stack load only now
 
     styles = {"pass": "green", "warn": "yellow", "skip": "dim", "fail": "red"}
     with console.session(verbose) as say:
 
-        def show(check: checks.Check) -> None:  # no markup: a detail may hold [brackets]
+        def show(check: doctor.Check) -> None:  # no markup: a detail may hold [brackets]
             say.console.print(check.line(), style=styles[check.outcome], markup=False, highlight=False, soft_wrap=True)
 
-        passed = checks.run(ray_address, storage_root or default_storage_root(), show)
+        passed = doctor.run(ray_address, storage_root or default_storage_root(), show)
     if not passed:
         raise typer.Exit(1)
 

@@ -1,8 +1,7 @@
 """What evaluation hands on: a model's metrics on a labelled split (the run's metrics.json), which
 promotion gates on and the report shows, one class per task (tasks/core/targets.py), each with the
-scores of a model that learned nothing (the promotion gate's default floor); and the multi-label
-decision thresholds tuned on the validation split, which the model keeps. Imports numpy and pydantic
-only: the training workers tune the thresholds."""
+scores of a model that learned nothing (the promotion gate's default floor). The arithmetic they
+share with training is tasks/core/scoring.py."""
 
 from __future__ import annotations
 
@@ -11,10 +10,8 @@ from typing import Annotated, Literal
 import numpy as np
 from pydantic import BaseModel, Field
 
-from tasks.train.contract import Predictions
-
-THRESHOLD = 0.5  # a label's decision threshold where none was tuned (no validation row has the label)
-GRID = np.round(np.arange(0.05, 0.96, 0.05), 2)  # the thresholds tried per label
+from tasks.contracts.training import Predictions
+from tasks.core.scoring import correlation, f1_scores, ranks
 
 
 class Floor(BaseModel):
@@ -79,12 +76,6 @@ class Metrics(BaseModel):
             for name, row in zip(names, self.confusion_matrix, strict=True)
         ]
         return "\n".join(lines)
-
-
-def f1_scores(true_positives: np.ndarray, predicted: np.ndarray, actual: np.ndarray) -> np.ndarray:
-    """F1 per class or label: 2 TP / (predicted + actual), 0 where both are 0."""
-    total = predicted + actual
-    return np.divide(2 * true_positives, total, out=np.zeros(len(total)), where=total > 0)
 
 
 class LabelScores(BaseModel):
@@ -155,18 +146,6 @@ class MultiLabelMetrics(BaseModel):
         return {"micro_f1": self.micro_f1, "macro_f1": self.macro_f1, "subset_accuracy": self.subset_accuracy}
 
 
-def tuned_thresholds(validation: Predictions) -> list[float]:
-    """Per label, the threshold of GRID with the best F1 on the validation split's rows (of equals, the
-    nearest 0.5); THRESHOLD where no row has the label."""
-    probabilities, truth = np.asarray(validation.outputs), np.asarray(validation.targets) > 0.5
-    decided = probabilities[:, :, None] >= GRID  # rows x labels x thresholds
-    hits = (decided & truth[:, :, None]).sum(0)
-    f1 = 2 * hits / np.maximum(decided.sum(0) + truth.sum(0)[:, None], 1)
-    nearest_half = -np.abs(GRID - THRESHOLD)
-    best = np.lexsort((np.broadcast_to(nearest_half, f1.shape), f1), axis=1)[:, -1]
-    return [float(GRID[i]) if truth[:, label].any() else THRESHOLD for label, i in enumerate(best)]
-
-
 class OutputScores(BaseModel):
     """One regression output's scores."""
 
@@ -218,22 +197,6 @@ class RegressionMetrics(BaseModel):
 
     def scores(self) -> dict[str, float]:
         return {"mse": self.mse, "mae": self.mae, "pearson": self.pearson, "spearman": self.spearman}
-
-
-def ranks(values: np.ndarray) -> np.ndarray:
-    """Each value's rank, ties given their mean rank (Spearman's convention). Written out: pandas' and
-    scipy's rank would add their imports to every training worker, which tunes thresholds here."""
-    order = np.empty(len(values))
-    order[values.argsort(kind="stable")] = np.arange(len(values))
-    _, tie, count = np.unique(values, return_inverse=True, return_counts=True)
-    return (np.bincount(tie, weights=order) / count)[tie]
-
-
-def correlation(a: np.ndarray, b: np.ndarray) -> float:
-    """Pearson's r; 0 where either side is constant (r is not defined there)."""
-    if np.ptp(a) == 0 or np.ptp(b) == 0:
-        return 0.0
-    return float(np.corrcoef(a, b)[0, 1])
 
 
 AnyMetrics = Annotated[Metrics | MultiLabelMetrics | RegressionMetrics, Field(discriminator="task")]

@@ -7,9 +7,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
+from tasks.contracts.training import Result
 from tasks.core.sweep_config import SweepConfig
 from tasks.core.train_config import TrainConfig
-from tasks.train.contract import Result
 
 Ended = Literal["pending", "running", "finished", "stopped early", "failed"]
 

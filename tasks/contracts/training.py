@@ -1,7 +1,7 @@
-"""What training's driver and workers say to each other, typed: the driver's Plan and WorkerSpec go to
-every worker; rank 0 writes the Result (history, curve, validation predictions) beside the exported
-model as STATE_FILE, and the driver reads it back. Progress is what a
-checkpoint holds for resume; Choice is what strategy=auto chose. Imports no Prefect, Ray or torch."""
+"""What training hands on, typed: rank 0 writes the Result (history, curve, validation and test
+predictions, what strategy=auto chose) beside the exported model as STATE_FILE; the driver reads it
+back, and evaluation, batch inference, the sweep and the report read it. Imports no Prefect, Ray or
+torch."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import math
 
 from pydantic import BaseModel
 
-from tasks.core.targets import Targets, Task
-from tasks.core.train_config import BETTER, Monitor, TrainConfig
+from tasks.core.targets import Task
+from tasks.core.train_config import BETTER, Monitor
 
 
 class Choice(BaseModel):
@@ -23,49 +23,6 @@ class Choice(BaseModel):
 
 
 STATE_FILE = "training_state.json"  # beside the exported model: the history, the curve, the validation predictions
-
-
-class Plan(BaseModel, frozen=True):
-    """How a TrainConfig lands on the cluster (tasks/train/driver.py `plan`)."""
-
-    workers: int
-    cpus_per_worker: float
-    micro_batch: int
-    accumulation: int
-    use_gpu: bool
-    precision: str  # fp32, fp16, bf16, or auto (bf16 where the GPU has it, else fp16)
-
-    def describe(self, cfg: TrainConfig) -> str:
-        device = "GPU" if self.use_gpu else "CPU"
-        return (
-            f"{self.workers} {device} worker(s) of {self.cpus_per_worker:g} CPU"
-            f" x micro-batch {self.micro_batch} x accumulation {self.accumulation}"
-            f" = global batch {cfg.batch_size}, ZeRO-{cfg.zero_stage}, {self.precision}"
-        )
-
-
-class EvaluationSplit(BaseModel):
-    """A tokenized split that every worker reads its own rows of, to evaluate on: its shards, its rows."""
-
-    uri: str
-    rows: int
-
-
-class WorkerSpec(BaseModel):
-    """All a worker is told: the typed config, its plan, the DeepSpeed JSON, and where the model goes."""
-
-    train: TrainConfig
-    plan: Plan
-    deepspeed: dict
-    model: str
-    targets: Targets  # what the model outputs: classes, labels or numbers
-    max_length: int
-    batches_per_epoch: int  # micro-batches per worker and epoch, the same on every worker
-    max_steps: int  # optimizer steps of the whole run
-    model_uri: str  # where rank 0 writes the consolidated model
-    # validation, and the test split where there is one: the trained engine labels it (Result.test)
-    evaluation: dict[str, EvaluationSplit] = {}
-    channel: str | None = None  # the driver's progress channel (tasks/core/progress.py), once it listens
 
 
 class ClusterInfo(BaseModel):
@@ -118,16 +75,6 @@ class EpochRecord(BaseModel):
     peak_memory_mb: float  # the largest over workers
     startup_s: float | None  # this attempt's model load, engine build and first micro-batch, in its first epoch only
     checkpoint_s: float | None  # mean seconds per mid-epoch checkpoint
-
-
-class Progress(BaseModel):
-    """Where training stands, saved in every checkpoint and read back on resume: a resumed run has
-    every epoch and every curve point once."""
-
-    epoch: int = 0  # epochs completed
-    batches_done: int = 0  # micro-batches of the next epoch already trained
-    history: list[EpochRecord] = []
-    curve: Curve = Curve()
 
 
 # The metric every checkpoint reports for Ray Train to rank it by (keep_best): the monitor's score at

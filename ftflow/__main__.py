@@ -1,0 +1,3 @@
+from ftflow.cli import main
+
+main()

@@ -1,0 +1,64 @@
+"""What training's driver tells its workers, typed: the Plan and the WorkerSpec every worker gets, and
+the Progress a checkpoint holds for resume. What training hands the other stages (its Result, beside
+the exported model) is tasks/contracts/training.py. Imports no Prefect, Ray or torch."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel
+
+from tasks.contracts.training import Curve, EpochRecord
+from tasks.core.targets import Targets
+from tasks.core.train_config import TrainConfig
+
+
+class Plan(BaseModel, frozen=True):
+    """How a TrainConfig lands on the cluster (tasks/train/plan.py `plan_of`)."""
+
+    workers: int
+    cpus_per_worker: float
+    micro_batch: int
+    accumulation: int
+    use_gpu: bool
+    precision: str  # fp32, fp16, bf16, or auto (bf16 where the GPU has it, else fp16)
+
+    def describe(self, cfg: TrainConfig) -> str:
+        device = "GPU" if self.use_gpu else "CPU"
+        return (
+            f"{self.workers} {device} worker(s) of {self.cpus_per_worker:g} CPU"
+            f" x micro-batch {self.micro_batch} x accumulation {self.accumulation}"
+            f" = global batch {cfg.batch_size}, ZeRO-{cfg.zero_stage}, {self.precision}"
+        )
+
+
+class EvaluationSplit(BaseModel):
+    """A tokenized split that every worker reads its own rows of, to evaluate on: its shards, its rows."""
+
+    uri: str
+    rows: int
+
+
+class WorkerSpec(BaseModel):
+    """All a worker is told: the typed config, its plan, the DeepSpeed JSON, and where the model goes."""
+
+    train: TrainConfig
+    plan: Plan
+    deepspeed: dict
+    model: str
+    targets: Targets  # what the model outputs: classes, labels or numbers
+    max_length: int
+    batches_per_epoch: int  # micro-batches per worker and epoch, the same on every worker
+    max_steps: int  # optimizer steps of the whole run
+    model_uri: str  # where rank 0 writes the consolidated model
+    # validation, and the test split where there is one: the trained engine labels it (Result.test)
+    evaluation: dict[str, EvaluationSplit] = {}
+    channel: str | None = None  # the driver's progress channel (tasks/core/progress.py), once it listens
+
+
+class Progress(BaseModel):
+    """Where training stands, saved in every checkpoint and read back on resume: a resumed run has
+    every epoch and every curve point once."""
+
+    epoch: int = 0  # epochs completed
+    batches_done: int = 0  # micro-batches of the next epoch already trained
+    history: list[EpochRecord] = []
+    curve: Curve = Curve()
