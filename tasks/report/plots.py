@@ -1,0 +1,141 @@
+"""The run report's pictures, as PNG bytes (matplotlib's Agg figures, no display): training's curve,
+the task's own (a confusion matrix, each label's scores, predicted against true numbers) and a sweep's
+trials; PLOTS names their files beside the report."""
+
+from __future__ import annotations
+
+import io
+
+from matplotlib.figure import Figure
+
+from tasks.contracts.metrics import Metrics, MultiLabelMetrics, RegressionMetrics
+from tasks.contracts.sweep import SweepResult
+from tasks.contracts.training import Curve, Predictions
+from tasks.core.data import Split
+from tasks.report.manifest import Results
+
+PLOTS = {
+    "training": "training.png",
+    "confusion": "confusion-matrix.png",  # single_label
+    "labels": "labels.png",  # multi_label
+    "scatter": "predicted-vs-true.png",  # regression
+    "sweep": "sweep.png",
+}
+
+
+def png(figure: Figure) -> bytes:
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=100, bbox_inches="tight")
+    return buffer.getvalue()
+
+
+def training_plot(curve: Curve) -> bytes:
+    """Loss and accuracy (where the task has one) against the optimizer step: training (averaged per
+    logging interval) and validation."""
+    measures = ("loss", "accuracy") if curve.train and curve.train[0].accuracy is not None else ("loss",)
+    figure = Figure(figsize=(5.5 * len(measures), 3.8))
+    for axes, measure in zip(figure.subplots(1, len(measures), squeeze=False)[0], measures, strict=True):
+        for points, name, style in ((curve.train, "training", "-"), (curve.validation, "validation", "o-")):
+            axes.plot([p.step for p in points], [getattr(p, measure) for p in points], style, label=name)
+        axes.set(xlabel="optimizer step", ylabel=measure, title=measure)
+        axes.grid(alpha=0.3)
+        axes.legend()
+    return png(figure)
+
+
+def sweep_plot(sweep: SweepResult) -> bytes:
+    """Each trial's best validation metric against each searched field (log scale for a positive
+    range spanning a decade or more), stopped trials hollow, the best trial marked."""
+    figure = Figure(figsize=(5 * len(sweep.fields), 3.8))
+    scored = [trial for trial in sweep.trials if trial.best is not None]
+    for axes, name in zip(figure.subplots(1, len(sweep.fields), squeeze=False)[0], sweep.fields, strict=True):
+        for status, style in (("finished", {}), ("stopped early", {"facecolors": "none"})):
+            shown = [trial for trial in scored if trial.status == status]
+            axes.scatter(
+                [trial.config[name] for trial in shown],
+                [trial.best for trial in shown],
+                edgecolors="C0",
+                label=status,
+                **style,
+            )
+        best = sweep.best()
+        axes.scatter([best.config[name]], [best.best], marker="*", s=220, color="C3", label=f"best: {best.trial_id}")
+        values = [trial.config[name] for trial in scored if isinstance(trial.config[name], int | float)]
+        if values and min(values) > 0 and max(values) / min(values) >= 10:
+            axes.set_xscale("log")
+        axes.set(xlabel=f"train.{name}", ylabel=f"best {sweep.metric}")
+        axes.grid(alpha=0.3)
+        axes.legend(fontsize="small")
+    figure.tight_layout()
+    return png(figure)
+
+
+def confusion_plot(metrics: Metrics) -> bytes:
+    names, counts = metrics.label_names, metrics.confusion_matrix
+    figure = Figure(figsize=(1.2 * len(names) + 2.5, 1.0 * len(names) + 2))
+    axes = figure.subplots()
+    axes.imshow(counts, cmap="Blues")
+    peak = max(map(max, counts))
+    for row, values in enumerate(counts):
+        for column, count in enumerate(values):
+            axes.text(column, row, str(count), ha="center", va="center", color="white" if count > peak / 2 else "black")
+    axes.set(
+        xticks=range(len(names)),
+        yticks=range(len(names)),
+        xticklabels=names,
+        yticklabels=names,
+        xlabel="predicted",
+        ylabel="true",
+        title=f"test split, {metrics.rows} rows",
+    )
+    return png(figure)
+
+
+def label_plot(metrics: MultiLabelMetrics, train: Split) -> bytes:
+    """Each label's test F1 beside its share of the training rows, rarest last."""
+    shares = dict(zip(train.schema.targets.names, train.tally.means, strict=True))
+    labels = sorted(metrics.labels, key=lambda label: -shares[label.name])
+    figure = Figure(figsize=(max(6, 0.35 * len(labels) + 2), 4.2))
+    axes = figure.subplots()
+    where = range(len(labels))
+    axes.bar([x - 0.2 for x in where], [label.f1 for label in labels], 0.4, label="test F1")
+    axes.bar([x + 0.2 for x in where], [shares[label.name] for label in labels], 0.4, label="share of training rows")
+    axes.set_xticks(list(where), [label.name for label in labels], rotation=60, ha="right")
+    axes.set(title=f"per label, at its threshold: micro F1 {metrics.micro_f1:.3f}, macro F1 {metrics.macro_f1:.3f}")
+    axes.grid(alpha=0.3, axis="y")
+    axes.legend()
+    return png(figure)
+
+
+def scatter_plot(metrics: RegressionMetrics, test: Predictions) -> bytes:
+    """Predicted against true, per output, with the identity line and Pearson's r."""
+    figure = Figure(figsize=(4.5 * len(metrics.outputs), 4.2))
+    for column, (axes, output) in enumerate(
+        zip(figure.subplots(1, len(metrics.outputs), squeeze=False)[0], metrics.outputs, strict=True)
+    ):
+        truth, predicted = [row[column] for row in test.targets], [row[column] for row in test.outputs]
+        axes.scatter(truth, predicted, s=6, alpha=0.4)
+        low, high = min(truth + predicted), max(truth + predicted)
+        axes.plot([low, high], [low, high], color="C3", linewidth=1)
+        axes.set(xlabel=f"true {output.name}", ylabel="predicted", title=f"{output.name}: r = {output.pearson:.3f}")
+        axes.grid(alpha=0.3)
+    return png(figure)
+
+
+# Each task's section on the test split: its plot's name (PLOTS) and title.
+TASK_SECTIONS = {
+    "single_label": ("confusion", "Confusion matrix (test)"),
+    "multi_label": ("labels", "Per label (test)"),
+    "regression": ("scatter", "Predicted against true (test)"),
+}
+
+
+def task_plot(results: Results, splits: dict[str, Split]) -> dict[str, bytes]:
+    """The plot of the test split that fits the task: the confusion matrix, each label's F1 beside its
+    frequency, or predicted against true."""
+    metrics, (name, _) = results.test, TASK_SECTIONS[results.test.task]
+    if isinstance(metrics, Metrics):
+        return {name: confusion_plot(metrics)}
+    if isinstance(metrics, MultiLabelMetrics):
+        return {name: label_plot(metrics, splits["train"])}
+    return {name: scatter_plot(metrics, results.training.test)}
