@@ -46,6 +46,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from tasks.contracts.shards import TokenizedSplits  # noqa: E402
+from tasks.contracts.training import TrainingJob  # noqa: E402
 from tasks.core import cluster  # noqa: E402
 from tasks.core.config import DataConfig, ModelConfig  # noqa: E402
 from tasks.core.data import load_splits  # noqa: E402
@@ -301,7 +303,7 @@ def ddp(
 
 def ftflow(
     model_path: str,
-    uris: dict,
+    uris: TokenizedSplits,
     max_length: int,
     batch: int,
     layout: dict,
@@ -314,9 +316,10 @@ def ftflow(
         | layout
         | options
     )
-    row = train(
-        uris, ModelConfig(name_or_path=model_path, max_length=max_length), LABELS, cfg, RunStore.at(run_dir)
-    ).history[-1]
+    model = ModelConfig(name_or_path=model_path, max_length=max_length)
+    row = train(TrainingJob(shards=uris, model=model, targets=LABELS, train=cfg, store=RunStore.at(run_dir))).history[
+        -1
+    ]
     return {
         "samples_per_s": row.samples_per_s,
         "first_step_s": row.startup_s,
@@ -390,10 +393,10 @@ def main() -> None:
         half = steps // 2  # every strategy checkpoints once, half-way
         runs = {
             "pytorch (baseline)": partial(
-                in_fresh_process, baseline_process, args.model, uris["train"], args.batch_size, cpus, half, False
+                in_fresh_process, baseline_process, args.model, uris.train, args.batch_size, cpus, half, False
             ),
             "pytorch, fused adamw": partial(
-                in_fresh_process, baseline_process, args.model, uris["train"], args.batch_size, cpus, half, True
+                in_fresh_process, baseline_process, args.model, uris.train, args.batch_size, cpus, half, True
             ),
             "hf trainer": partial(
                 in_fresh_process, trainer_process, args.model, uris["train"], args.batch_size, cpus, half, "random"

@@ -33,7 +33,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 from tiny_model import make_tiny_bert  # noqa: E402
 
 import tasks.train.driver  # noqa: E402
-from tasks.contracts.shards import shard_schema  # noqa: E402
+from tasks.contracts.shards import TokenizedSplits, shard_schema  # noqa: E402
+from tasks.contracts.training import TrainingJob  # noqa: E402
 from tasks.core import cluster  # noqa: E402
 from tasks.core.config import DataConfig, ModelConfig  # noqa: E402
 from tasks.core.data import load_splits  # noqa: E402
@@ -64,14 +65,14 @@ def private_peak_mb(device) -> float:
     return worst.item()
 
 
-def streamed_worker(config: dict) -> None:
+def streamed_worker(spec) -> None:
     import tasks.train.worker as worker
 
     worker.peak_memory_mb = private_peak_mb
-    worker.train_worker(config)
+    worker.train_worker(spec)
 
 
-def in_memory_worker(config: dict) -> None:
+def in_memory_worker(spec) -> None:
     """ftflow's worker with the loader it had before streaming: the worker's whole shard read into
     a Python list on first use, then shuffled by (seed, epoch) and cut into micro-batches."""
     import ray.train
@@ -103,12 +104,12 @@ def in_memory_worker(config: dict) -> None:
             )
 
     worker.batches = batches
-    worker.train_worker(config)
+    worker.train_worker(spec)
 
 
-def corpus(tokenized: dict[str, str], rows: int, folder: Path) -> dict[str, str]:
+def corpus(tokenized: TokenizedSplits, rows: int, folder: Path) -> TokenizedSplits:
     """The tokenized training split repeated to `rows` rows, in row groups of GROUP_ROWS."""
-    base = pq.read_table(tokenized["train"]).sort_by("row")
+    base = pq.read_table(tokenized.train).sort_by("row")
     target = folder / f"train-{rows}"
     target.mkdir(parents=True)
     schema = shard_schema(DataConfig().targets)
@@ -126,17 +127,19 @@ def corpus(tokenized: dict[str, str], rows: int, folder: Path) -> dict[str, str]
                     schema=schema,
                 )
             )
-    return {"train": str(target), "validation": tokenized["validation"]}
+    return TokenizedSplits(train=str(target), validation=tokenized.validation)
 
 
-def run(uris: dict, model: str, max_length: int, steps: int, streamed: bool, folder: str) -> dict:
+def run(shards: TokenizedSplits, model: str, max_length: int, steps: int, streamed: bool, folder: str) -> dict:
     tasks.train.driver.train_worker = streamed_worker if streamed else in_memory_worker
     # Batches as drawn on both sides: this compares the loaders, not length grouping (bench/strategies.py).
     cfg = TrainConfig(batch_size=32, num_workers=2, max_steps=steps, eval_every_steps=0, length_group_batches=1)
     started = time.perf_counter()
-    row = train.fn(
-        uris, ModelConfig(name_or_path=model, max_length=max_length), DataConfig().targets, cfg, RunStore.at(folder)
-    ).history[-1]
+    model_config = ModelConfig(name_or_path=model, max_length=max_length)
+    job = TrainingJob(
+        shards=shards, model=model_config, targets=DataConfig().targets, train=cfg, store=RunStore.at(folder)
+    )
+    row = train.fn(job).history[-1]
     return {
         "samples_per_s": row.samples_per_s,
         "peak_memory_mb": row.peak_memory_mb,

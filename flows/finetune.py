@@ -10,7 +10,7 @@ from pydantic import BaseModel
 
 from tasks.contracts.metrics import AnyMetrics
 from tasks.contracts.sweep import SweepResult
-from tasks.contracts.training import Result
+from tasks.contracts.training import Result, TrainingJob
 from tasks.core import cluster
 from tasks.core.config import FinetuneParams
 from tasks.core.layout import RunStore, refuse_overlap
@@ -56,9 +56,7 @@ def finetune(params: FinetuneParams = FinetuneParams()) -> RunSummary:
     ready = prepared(params, store, took)
     import_beside(params.storage_root)  # MLflow's, for track() at the end
     with took("train"):
-        training = train.with_options(timeout_seconds=params.train.timeout_s)(
-            ready.tokenized, params.model, ready.inputs.splits["train"].targets, params.train, store, params.ray_address
-        )
+        training = train.with_options(timeout_seconds=params.train.timeout_s)(ready.job, params.ray_address)
     return concluded(params, store, ready, Trained(result=training), took)
 
 
@@ -72,11 +70,11 @@ class Trained(BaseModel):
 
 @dataclass(frozen=True)
 class Prepared:
-    """What training starts from: the run's checked inputs and its tokenized splits."""
+    """What training starts from: the run's checked inputs, its shards' key, and the training job."""
 
     inputs: RunInputs
     key: TokenizeKey
-    tokenized: dict[str, str]
+    job: TrainingJob
 
 
 def prepared(params: FinetuneParams, store: RunStore, took: Stopwatch) -> Prepared:
@@ -97,7 +95,9 @@ def prepared(params: FinetuneParams, store: RunStore, took: Stopwatch) -> Prepar
         tokenized = tokenize.with_options(refresh_cache=not key.shards_exist())(
             key, inputs.splits, params.model.name_or_path, params.ray_address
         )
-    return Prepared(inputs, key, tokenized)
+    targets = inputs.splits["train"].targets
+    job = TrainingJob(shards=tokenized, model=params.model, targets=targets, train=params.train, store=store)
+    return Prepared(inputs, key, job)
 
 
 def concluded(
@@ -123,7 +123,7 @@ def concluded(
         took.fixed_costs(training.marks)
     config = params.model_dump(mode="json")
     outputs = Outputs(
-        tokenized=ready.tokenized,
+        tokenized=ready.job.shards,
         checkpoints=store.train_dir,
         model=store.model_dir,
         metrics=store.metrics,

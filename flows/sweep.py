@@ -23,13 +23,5 @@ def sweep(params: SweepParams = SweepParams()) -> RunSummary:  # noqa: B008 -- a
     ready = prepared(params, store, took)
     import_beside(params.storage_root)
     with took("sweep"):
-        trials = sweep_trials(
-            ready.tokenized,
-            params.model,
-            ready.inputs.splits["train"].targets,
-            params.train,
-            params.sweep,
-            store,
-            params.ray_address,
-        )
+        trials = sweep_trials(ready.job, params.sweep, params.ray_address)
     return concluded(params, store, ready, Trained(result=trials.training, sweep=trials), took)

@@ -55,7 +55,7 @@ def test_same_content_elsewhere_hits_the_cache(ray_cluster, tiny_model, small_da
 
     labels = [row["label"] for row in read_jsonl(small_data["train"])]
     for uris, max_length in ((original.result(), 48), (shorter.result(), 16)):
-        table = pq.read_table(uris["train"])
+        table = pq.read_table(uris.train)
         assert sorted(table["row"].to_pylist()) == list(range(len(labels)))
         assert table["label"].to_pylist() == [labels[r] for r in table["row"].to_pylist()]
         assert max(len(ids) for ids in table["input_ids"].to_pylist()) == max_length
@@ -87,7 +87,7 @@ def test_split_of_many_files_tokenizes_exactly_its_rows(
     tokenizer = load_tokenizer(str(tiny_model))
     uris = tokenize(tokenize_key(splits, str(tiny_model), 32, str(tmp_path / "store")), splits, str(tiny_model))
 
-    table = pq.read_table(uris["train"]).sort_by("row")
+    table = pq.read_table(uris.train).sort_by("row")
     assert table["row"].to_pylist() == list(range(len(expected)))
     assert table["label"].to_pylist() == expected["label"].tolist()
     assert (
@@ -96,7 +96,7 @@ def test_split_of_many_files_tokenizes_exactly_its_rows(
     )
     assert len(splits["train"].pieces) > 4
     cpus = int(Resources.of_cluster().cpus)  # the CPUs ftflow's stages may take (one is Ray Data's)
-    assert len(list(Path(uris["train"]).glob("*.parquet"))) == cpus, "the pieces shared out, a task per CPU"
+    assert len(list(Path(uris.train).glob("*.parquet"))) == cpus, "the pieces shared out, a task per CPU"
     # The shard tasks' tallies, summed by the driver: the last tick counts every row of every split.
     rows, shards = sum(split.total_rows for split in splits.values()), 3 * cpus
     ticks = [record.message for record in caplog.records if record.message.startswith("tokenize: ")]

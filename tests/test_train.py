@@ -20,7 +20,8 @@ import torch
 from conftest import fault_injected
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from tasks.contracts.training import STATE_FILE, Result
+from tasks.contracts.shards import TokenizedSplits
+from tasks.contracts.training import STATE_FILE, Result, TrainingJob
 from tasks.core.config import DataConfig, ModelConfig
 from tasks.core.data import load_splits
 from tasks.core.layout import RunStore
@@ -65,12 +66,14 @@ def logits_of(model_dir: Path, rows: list[dict]) -> torch.Tensor:
     return torch.cat(logits)
 
 
-def assert_model_is_the_trained_engine(model_dir: Path, uris: dict, val_accuracy: float, tie: float = 1e-4) -> None:
+def assert_model_is_the_trained_engine(
+    model_dir: Path, uris: TokenizedSplits, val_accuracy: float, tie: float = 1e-4
+) -> None:
     """The exported folder is complete, reloads, and predicts the validation split as the engine did,
     at the validation accuracy the engine had at the step exported."""
     assert {"config.json", "model.safetensors", "tokenizer.json", STATE_FILE} <= {p.name for p in model_dir.iterdir()}
     engine_predictions = json.loads((model_dir / STATE_FILE).read_text())["validation"]["labels"]
-    rows = validation_rows(uris["validation"])
+    rows = validation_rows(uris.validation)
     logits = logits_of(model_dir, rows)
     reloaded = logits.argmax(-1).tolist()
     margins = (logits[:, 1] - logits[:, 0]).abs().tolist()
@@ -81,8 +84,11 @@ def assert_model_is_the_trained_engine(model_dir: Path, uris: dict, val_accuracy
     assert accuracy == pytest.approx(val_accuracy, abs=1 / len(rows))
 
 
-def fit(uris: dict, model: Path, cfg: TrainConfig, run_dir: Path | str) -> Result:
-    return train(uris, ModelConfig(name_or_path=str(model), max_length=64), LABELS, cfg, RunStore.at(str(run_dir)))
+def fit(uris: TokenizedSplits, model: Path, cfg: TrainConfig, run_dir: Path | str) -> Result:
+    model_config = ModelConfig(name_or_path=str(model), max_length=64)
+    return train(
+        TrainingJob(shards=uris, model=model_config, targets=LABELS, train=cfg, store=RunStore.at(str(run_dir)))
+    )
 
 
 STRATEGIES = {
@@ -127,7 +133,7 @@ def export_config(strategy: dict) -> TrainConfig:
     return TrainConfig(**{**run, **strategy})
 
 
-def check_export(result: Result, cfg: TrainConfig, run_dir: Path, uris: dict, tiny_model: Path) -> None:
+def check_export(result: Result, cfg: TrainConfig, run_dir: Path, uris: TokenizedSplits, tiny_model: Path) -> None:
     """The exported model is the trained engine's, in fp32, labelled; a model-parallel worker held its share."""
     model_dir = run_dir / "model"
     assert_model_is_the_trained_engine(
@@ -365,17 +371,15 @@ import json, sys
 from pathlib import Path
 import ray
 from ray.cluster_utils import Cluster
-from tasks.core.config import ModelConfig, TrainConfig
-from tasks.core.layout import RunStore
-from tasks.core.targets import Targets
+from tasks.contracts.training import TrainingJob
 from tasks.train.driver import fit
-tokenized, model, cfg, run_dir = json.loads(sys.argv[1]), sys.argv[2], TrainConfig.model_validate_json(sys.argv[3]), sys.argv[4]
+job = TrainingJob.model_validate_json(sys.argv[1])
 cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
 sizes = {cluster.add_node(num_cpus=cpus).node_id: cpus for cpus in (3, 2)}
 ray.init(address=cluster.address)
-result = fit(tokenized, ModelConfig(name_or_path=model, max_length=64), Targets(names=("negative", "positive")), cfg, RunStore.at(run_dir))
+result = fit(job)
 placed = {"node_cpus": [sizes.get(node, 1) for node in result.nodes], "result": result.model_dump(mode="json")}
-Path(sys.argv[5]).write_text(json.dumps(placed))  # a file: Ray's workers' log lines reach stdout at any time
+Path(sys.argv[2]).write_text(json.dumps(placed))  # a file: Ray's workers' log lines reach stdout at any time
 ray.shutdown()
 cluster.shutdown()
 """
@@ -388,9 +392,10 @@ def test_tensor_parallel_groups_are_placed_within_a_node(tokenized, tiny_model, 
     _, uris = tokenized
     run_dir = tmp_path / "runs" / "tp2-dp2-zero3"
     cfg = export_config({"tensor_parallel_size": 2, "num_workers": 4, "cpus_per_worker": 1, "zero_stage": 3})
+    model = ModelConfig(name_or_path=str(tiny_model), max_length=64)
+    job = TrainingJob(shards=uris, model=model, targets=LABELS, train=cfg, store=RunStore.at(str(run_dir)))
     run = subprocess.run(
-        [sys.executable, "-c", ON_THREE_NODES, json.dumps(uris), str(tiny_model), cfg.model_dump_json(), str(run_dir)]
-        + [str(tmp_path / "placed.json")],
+        [sys.executable, "-c", ON_THREE_NODES, job.model_dump_json(), str(tmp_path / "placed.json")],
         cwd=Path(__file__).parents[1],
         capture_output=True,
         text=True,

@@ -4,8 +4,18 @@
 from __future__ import annotations
 
 import pyarrow as pa
+from pydantic import BaseModel
 
 from tasks.core.targets import Targets
+
+
+class TokenizedSplits(BaseModel, frozen=True):
+    """Each split's shards: a folder of Parquet files of `shard_schema` rows."""
+
+    train: str
+    validation: str
+    test: str | None = None  # a run's always; a training job of its own may have none
+
 
 SHARD_COLUMNS = ("row", "label", "input_ids", "token_type_ids")  # the last for pairs only
 

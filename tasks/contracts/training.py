@@ -1,4 +1,4 @@
-"""What training hands on, typed: rank 0 writes the Result (history, curve, validation and test
+"""What training takes and hands on, typed: the TrainingJob it is given; rank 0 writes the Result (history, curve, validation and test
 predictions, what strategy=auto chose) beside the exported model as STATE_FILE; the driver reads it
 back, and evaluation, batch inference, the sweep and the report read it. Imports no Prefect, Ray or
 torch."""
@@ -9,8 +9,23 @@ import math
 
 from pydantic import BaseModel
 
-from tasks.core.targets import Task
-from tasks.core.train_config import BETTER, Monitor
+from tasks.contracts.shards import TokenizedSplits
+from tasks.core.config import ModelConfig
+from tasks.core.layout import RunStore
+from tasks.core.targets import Targets, Task
+from tasks.core.train_config import BETTER, Monitor, TrainConfig
+
+
+class TrainingJob(BaseModel):
+    """One training run's inputs, whole: the flow hands it to the train task (or to the sweep's), they
+    to the driver, the driver to each sweep trial (with the trial's fields and folder); every worker's
+    WorkerSpec is made of it."""
+
+    shards: TokenizedSplits
+    model: ModelConfig
+    targets: Targets  # what the model outputs: classes, labels or numbers
+    train: TrainConfig
+    store: RunStore  # the run's folder: its checkpoints, its model
 
 
 class Choice(BaseModel):

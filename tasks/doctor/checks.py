@@ -10,6 +10,7 @@ import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
+from functools import partial
 from typing import Literal, TypeVar
 
 import ray
@@ -195,8 +196,7 @@ def step_checks() -> list[Check]:
     )  # nothing is exported
     reports = Queue(actor_options={"num_cpus": 0})  # Ray Train returns nothing of the workers'
     trainer = Trainer(
-        one_step,
-        train_loop_config={"spec": spec.model_dump(), "reports": reports},
+        partial(one_step, spec, reports),
         scaling_config=ScalingConfig(
             num_workers=plan.workers, use_gpu=plan.use_gpu, resources_per_worker={"CPU": plan.cpus_per_worker}
         ),

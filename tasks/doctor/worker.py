@@ -13,6 +13,7 @@ import ray.train.torch
 import torch
 import torch.distributed as dist
 from pydantic import BaseModel
+from ray.util.queue import Queue
 from transformers import BertConfig, BertForSequenceClassification
 
 from tasks.train import WorkerSpec, join_process_group, param_groups, precision_of, resolve_precision
@@ -42,14 +43,15 @@ class NodeReport(BaseModel):
     extensions: str  # where a JIT build goes and is cached (TORCH_EXTENSIONS_DIR)
 
 
-def one_step(config: dict) -> None:
-    """TorchTrainer's train function. config: the WorkerSpec (tasks/doctor/checks.py fills it as tasks/train/driver.py
-    does) and the queue each worker's StepReport goes to (Ray Train returns nothing)."""
+def one_step(spec: WorkerSpec, reports: Queue) -> None:
+    """TorchTrainer's train function, its arguments bound by functools.partial: the WorkerSpec
+    (tasks/doctor/checks.py fills it as tasks/train/driver.py does) and the queue each worker's
+    StepReport goes to (Ray Train returns nothing)."""
     import deepspeed  # imported in the worker: it probes the accelerator at import
 
     deepspeed.utils.logger.setLevel(logging.WARNING)
     device = ray.train.torch.get_device()
-    spec = resolve_precision(WorkerSpec.model_validate(config["spec"]), device)
+    spec = resolve_precision(spec, device)
     join_process_group(device, spec.train.collective_timeout_s)
     torch.manual_seed(spec.train.seed)
     model = BertForSequenceClassification(TINY_BERT)
@@ -61,7 +63,7 @@ def one_step(config: dict) -> None:
     engine.step()
     summed = torch.tensor([dist.get_rank() + 1.0], device=device)  # NCCL reduces device tensors only
     dist.all_reduce(summed)
-    config["reports"].put(
+    reports.put(
         StepReport(
             rank=dist.get_rank(),
             device=str(device),

@@ -13,6 +13,7 @@ from pydantic import BaseModel
 from tasks.contracts.labels import Labelled
 from tasks.contracts.metrics import AnyMetrics
 from tasks.contracts.promotion import Decision
+from tasks.contracts.shards import TokenizedSplits
 from tasks.contracts.sweep import SweepResult
 from tasks.contracts.training import Result
 from tasks.core import storage
@@ -25,7 +26,7 @@ PACKAGES = ("torch", "transformers", "tokenizers", "deepspeed", "ray", "prefect"
 class Outputs(BaseModel):
     """Where a run's artifacts are."""
 
-    tokenized: dict[str, str]  # each split's shards
+    tokenized: TokenizedSplits
     checkpoints: str
     model: str
     metrics: str

@@ -13,6 +13,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from tasks.contracts.labels import Labelled
 from tasks.contracts.metrics import AnyMetrics, details_markdown
 from tasks.contracts.promotion import Decision
+from tasks.contracts.shards import TokenizedSplits
 from tasks.contracts.sweep import SweepResult, shown
 from tasks.contracts.training import Result
 from tasks.core import layout, storage
@@ -127,7 +128,7 @@ def epoch_rows(training: Result) -> list[dict]:
     ]
 
 
-def data_rows(splits: dict[str, Split], tokenized: dict[str, str], root: str) -> list[dict]:
+def data_rows(splits: dict[str, Split], tokenized: TokenizedSplits, root: str) -> list[dict]:
     return [
         {
             "split": name,
@@ -135,7 +136,7 @@ def data_rows(splits: dict[str, Split], tokenized: dict[str, str], root: str) ->
             "MiB": round(sum(p.size for p in split.pieces) / 2**20, 2),
             "files": len(split.uris),
             "sha256": f"`{split.sha256[:12]}`",
-            "tokenized": link(tokenized[name], root),
+            "tokenized": link(getattr(tokenized, name), root),
         }
         for name, split in splits.items()
     ]

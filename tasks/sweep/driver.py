@@ -17,14 +17,12 @@ from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 from ray.tune.search.basic_variant import BasicVariantGenerator
 
 from tasks.contracts.sweep import Ended, SweepResult, TrialRecord, searched, shown
-from tasks.contracts.training import STATE_FILE, Result
+from tasks.contracts.training import STATE_FILE, Result, TrainingJob
 from tasks.core import jobs, storage
-from tasks.core.config import ModelConfig
 from tasks.core.layout import RunStore
 from tasks.core.progress import Tick, log_tick, relayed
 from tasks.core.strict import first_line
 from tasks.core.sweep_config import SweepConfig
-from tasks.core.targets import Targets
 from tasks.core.train_config import TrainConfig
 from tasks.sweep.trial import run_trial
 from tasks.train import release_placement_groups
@@ -33,32 +31,18 @@ TRIAL_DRIVER_MEMORY = 256 * 2**20
 RELEASE_POLL_S = 0.2
 
 
-def search(
-    tokenized: dict[str, str],
-    model: ModelConfig,
-    targets: Targets,
-    train: TrainConfig,
-    sweep: SweepConfig,
-    store: RunStore,
-) -> SweepResult:
-    """The stage's Ray work (tasks/core/jobs.py runs it where the cluster is): the trials, then the best."""
-    logger = jobs.log
+def search(job: TrainingJob, sweep: SweepConfig) -> SweepResult:
+    """The stage's Ray work (tasks/core/jobs.py runs it where the cluster is): the trials, each the job
+    with its drawn train.* fields, then the best."""
+    logger, store = jobs.log, job.store
     with relayed(logger) as channel:
-        trainable = tune.with_parameters(
-            run_trial,
-            tokenized=tokenized,
-            model=model,
-            targets=targets,
-            train=train,
-            store=store,
-            channel=channel,
-        )
+        trainable = tune.with_parameters(run_trial, job=job, channel=channel)
         # The trial's own process only drives Ray Train, whose workers take the CPUs and GPUs: Tune's
         # default CPU per trial would be one fewer for them (on 2 cores, no room for the workers), and
         # even a hundredth of one left Ray Data's read tasks without the CPU they wait for (the first
         # batch never came). Tune refuses an empty request: the memory its process takes, and no CPU.
         trainable = tune.with_resources(trainable, {"CPU": 0, "memory": TRIAL_DRIVER_MEMORY})
-        grid = tuner(trainable, sweep, train, store, logger).fit()
+        grid = tuner(trainable, sweep, job.train, store, logger).fit()
     trials = sorted((record(result, sweep, store) for result in grid), key=lambda trial: trial.trial_id)
     return best_of(trials, sweep, store)
 

@@ -8,12 +8,10 @@ from typing import Any
 from prefect import task
 
 from tasks.contracts.sweep import SweepResult, searched
+from tasks.contracts.training import TrainingJob
 from tasks.core import jobs, storage
-from tasks.core.config import ModelConfig
 from tasks.core.layout import RunStore
 from tasks.core.sweep_config import SweepConfig, SweepParams
-from tasks.core.targets import Targets
-from tasks.core.train_config import TrainConfig
 from tasks.prefect_side.limits import TRAINING_TAG
 from tasks.prefect_side.live import Tracked
 from tasks.prefect_side.retries import RETRY_TRANSIENT
@@ -21,29 +19,11 @@ from tasks.sweep.driver import search
 
 
 @task(tags=[TRAINING_TAG], **RETRY_TRANSIENT)
-def sweep_trials(
-    tokenized: dict[str, str],
-    model: ModelConfig,
-    targets: Targets,
-    train: TrainConfig,
-    sweep: SweepConfig,
-    store: RunStore,
-    ray_address: str | None = None,
-) -> SweepResult:
-    """Train the sweep's trials on the tokenized splits (a retry continues them); the best trial's
-    model lands in the sweep's model folder."""
+def sweep_trials(job: TrainingJob, sweep: SweepConfig, ray_address: str | None = None) -> SweepResult:
+    """Train the sweep's trials of the job (a retry continues them); the best trial's model lands in the
+    sweep's model folder."""
     with Tracked("sweep-progress", "Sweep: % of its trials ended") as progress:
-        return jobs.run(
-            search,
-            ray_address,
-            progress,
-            tokenized=tokenized,
-            model=model,
-            targets=targets,
-            train=train,
-            sweep=sweep,
-            store=store,
-        )
+        return jobs.run(search, ray_address, progress, job=job, sweep=sweep)
 
 
 def same_search(params: SweepParams, store: RunStore) -> None:

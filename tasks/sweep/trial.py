@@ -11,10 +11,8 @@ import logging
 from ray import tune
 from ray.tune.integration.ray_train import TuneReportCallback
 
-from tasks.core.config import ModelConfig
-from tasks.core.layout import RunStore
+from tasks.contracts.training import TrainingJob
 from tasks.core.progress import say
-from tasks.core.targets import Targets
 from tasks.core.train_config import TrainConfig
 from tasks.train import trained
 
@@ -37,18 +35,10 @@ def trial_logger(channel: str, trial_id: str) -> logging.Logger:
     return logger
 
 
-def run_trial(
-    drawn: dict,
-    tokenized: dict[str, str],
-    model: ModelConfig,
-    targets: Targets,
-    train: TrainConfig,
-    store: RunStore,
-    channel: str,
-) -> None:
+def run_trial(drawn: dict, job: TrainingJob, channel: str) -> None:
     """Ray Tune's trainable: `drawn` holds the trial's values of the searched fields. A trial run again
     (the sweep re-run, or retried) resumes from its checkpoints, in its folder."""
     trial_id = tune.get_context().get_trial_id()
-    cfg = TrainConfig.model_validate({**train.model_dump(), **drawn})
-    logger = trial_logger(channel, trial_id)
-    trained(logger, tokenized, model, targets, cfg, store.trial(trial_id), (TuneReportCallback(),))
+    cfg = TrainConfig.model_validate({**job.train.model_dump(), **drawn})
+    trial = job.model_copy(update={"train": cfg, "store": job.store.trial(trial_id)})
+    trained(trial_logger(channel, trial_id), trial, (TuneReportCallback(),))

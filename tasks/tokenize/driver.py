@@ -12,6 +12,7 @@ import ray
 from pydantic import BaseModel
 from tokenizers import Tokenizer
 
+from tasks.contracts.shards import TokenizedSplits
 from tasks.core import cluster, jobs, layout, storage
 from tasks.core.config import ModelConfig
 from tasks.core.data import Split
@@ -45,9 +46,8 @@ class TokenizeKey(BaseModel):
         return layout.StorageRoot(self.root).tokenized(self.digest)
 
     @property
-    def uris(self) -> dict[str, str]:
-        """Each split's shards."""
-        return {name: storage.join(self.target, name) for name in SPLITS}
+    def shards(self) -> TokenizedSplits:
+        return TokenizedSplits(**{name: storage.join(self.target, name) for name in SPLITS})
 
     def shards_exist(self) -> bool:
         """False when the shards a cached result points to are gone or were never completed (an
@@ -142,15 +142,14 @@ def collect(running: dict, written: dict[str, int]) -> None:
     written[running.pop(done)] += ray.get(done)
 
 
-def tokenized_shards(key: TokenizeKey, splits: dict[str, Split], model_name_or_path: str) -> dict[str, str]:
+def tokenized_shards(key: TokenizeKey, splits: dict[str, Split], model_name_or_path: str) -> TokenizedSplits:
     """The stage's Ray work (tasks/core/jobs.py runs it where the cluster is): the shards, then the marker."""
-    uris = key.uris
     output = layout.OutputFolder(key.target)
     output.check()
     job = output.start()  # leftovers of an interrupted attempt must not mix with this one
     pairs = splits["train"].schema.truncation
     tokenizer = truncating(load_tokenizer(model_name_or_path), key.max_length, pairs)
-    rows = _tokenize_splits(splits, tokenizer, uris, job)
+    rows = _tokenize_splits(splits, tokenizer, dict(key.shards), job)
     for name in SPLITS:
         if rows[name] != splits[name].total_rows:  # a file changed since it was checked
             raise RuntimeError(
@@ -158,4 +157,4 @@ def tokenized_shards(key: TokenizeKey, splits: dict[str, Split], model_name_or_p
             )
     output.complete(job, output.written(job), {"rows": rows})
     jobs.log.info("tokenized %s rows into %s", rows, key.target)
-    return uris
+    return key.shards

@@ -18,6 +18,7 @@ from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
 from prefect.concurrency.sync import concurrency
 from prefect.exceptions import ObjectAlreadyExists
 
+from tasks.contracts.shards import TokenizedSplits
 from tasks.core import jobs
 from tasks.core.data import Split
 from tasks.prefect_side.live import Tracked
@@ -45,7 +46,7 @@ def one_writer(key: TokenizeKey) -> AbstractContextManager:
 @task(cache_policy=INPUTS - "splits" - "model_name_or_path" - "ray_address", persist_result=True, **RETRY_TRANSIENT)
 def tokenize(
     key: TokenizeKey, splits: dict[str, Split], model_name_or_path: str, ray_address: str | None = None
-) -> dict[str, str]:
+) -> TokenizedSplits:
     """Write each split's token ids as Parquet under <root>/tokenized/<key>/; return their URIs. A
     complete set (its marker is there), whoever wrote it, is used as it is and never removed: a run
     may be training on it. Only the writer's slot holder writes, so the leftovers it replaces are an
@@ -53,7 +54,7 @@ def tokenize(
     with one_writer(key):
         if key.shards_exist():
             get_run_logger().info("using the tokenized shards at %s", key.target)
-            return key.uris
+            return key.shards
         with Tracked("tokenization-progress", "Tokenization: % of the shards written") as progress:
             return jobs.run(
                 tokenized_shards, ray_address, progress, key=key, splits=splits, model_name_or_path=model_name_or_path

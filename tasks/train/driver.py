@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+from functools import partial
 
 import ray
 from ray.train import (
@@ -27,13 +28,11 @@ from ray.train.v2._internal.constants import (
 )
 from ray.train.v2._internal.exceptions import WorkerGroupStartupTimeoutError
 
-from tasks.contracts.training import SCORE, STATE_FILE, ClusterInfo, Result
+from tasks.contracts.training import SCORE, STATE_FILE, ClusterInfo, Result, TrainingJob
 from tasks.core import cluster, jobs, storage
-from tasks.core.config import ModelConfig
 from tasks.core.layout import RunStore
 from tasks.core.models import model_config
 from tasks.core.progress import relayed
-from tasks.core.targets import Targets
 from tasks.core.train_config import TrainConfig
 from tasks.train.deepspeed_json import deepspeed_config
 from tasks.train.entry import train_worker
@@ -54,33 +53,25 @@ ZERO3_WORKER_ENV = {"MALLOC_MMAP_THRESHOLD_": str(64 * 2**10)}
 HEALTH_CHECK_INTERVAL_S = 0.5
 
 
-def fit(tokenized: dict[str, str], model: ModelConfig, targets: Targets, cfg: TrainConfig, store: RunStore) -> Result:
+def fit(job: TrainingJob) -> Result:
     """The stage's Ray work (tasks/core/jobs.py runs it where the cluster is): plan, then Ray Train."""
-    return trained(jobs.log, tokenized, model, targets, cfg, store)
+    return trained(jobs.log, job)
 
 
-def trained(
-    logger: logging.Logger,
-    tokenized: dict[str, str],
-    model: ModelConfig,
-    targets: Targets,
-    cfg: TrainConfig,
-    store: RunStore,
-    callbacks: tuple[UserCallback, ...] = (),
-) -> Result:
+def trained(logger: logging.Logger, job: TrainingJob, callbacks: tuple[UserCallback, ...] = ()) -> Result:
     """One training run, for the train stage or a sweep's trial (whose callback reports to Ray Tune)."""
-    cfg, choice, the_plan = planned(model, targets, cfg)  # refuse what cannot run before any worker starts
+    cfg, choice, the_plan = planned(job.model, job.targets, job.train)  # refused before any worker starts
     if choice:
         logger.info("strategy=auto: %s", choice.reason)
-    train_rows, train_count = split(tokenized["train"], the_plan.workers)
-    spec = worker_spec(tokenized, model, targets, cfg, the_plan, train_count, store)
+    train_rows, train_count = split(job.shards.train, the_plan.workers)
+    spec = worker_spec(job, cfg, the_plan, train_count)
     say_plan(logger, spec)
     # The workers' ticks, lines and heartbeats, while training runs; a stall is reported under the run.
-    with relayed(logger, Watchdog(logger, store.stall, cfg.stall_warning_s)) as channel:
-        trainer = build_trainer(spec, channel, train_rows.random_shuffle(seed=cfg.seed), store, callbacks)
+    with relayed(logger, Watchdog(logger, job.store.stall, cfg.stall_warning_s)) as channel:
+        trainer = build_trainer(spec, channel, train_rows.random_shuffle(seed=cfg.seed), job.store, callbacks)
         ray_train_settings(cfg)
         run(trainer, spec)
-    result = Result.model_validate(storage.read_json(storage.join(store.model_dir, STATE_FILE)))
+    result = Result.model_validate(storage.read_json(storage.join(job.store.model_dir, STATE_FILE)))
     warn_spread_groups(logger, result, cfg.tensor_parallel_size)
     log_history(logger, result)
     return result.model_copy(update={"cluster": cluster_info(), "strategy": choice})
@@ -97,21 +88,15 @@ def cluster_info() -> ClusterInfo:
     )
 
 
-def worker_spec(
-    tokenized: dict[str, str],
-    model: ModelConfig,
-    targets: Targets,
-    cfg: TrainConfig,
-    the_plan: Plan,
-    train_count: int,
-    store: RunStore,
-) -> WorkerSpec:
-    """What every worker is told: the config, the plan, the DeepSpeed JSON, the steps, and the splits
-    it evaluates on (the test split, where there is one, the trained engine labels: Result.test)."""
+def worker_spec(job: TrainingJob, cfg: TrainConfig, the_plan: Plan, train_count: int) -> WorkerSpec:
+    """What every worker is told: the job's config as it trains (`cfg`: strategy=auto resolved), the
+    plan, the DeepSpeed JSON, the steps, and the splits it evaluates on (the test split, where there is
+    one, the trained engine labels: Result.test)."""
+    shards, model = job.shards, job.model
     evaluation = {
-        name: EvaluationSplit(uri=tokenized[name], rows=rows_in(tokenized[name]))
-        for name in ("validation", "test")
-        if name in tokenized
+        name: EvaluationSplit(uri=uri, rows=rows_in(uri))
+        for name, uri in (("validation", shards.validation), ("test", shards.test))
+        if uri
     }
     padded_rows = train_count + -train_count % the_plan.workers
     batches_per_epoch = math.ceil(padded_rows / the_plan.workers / the_plan.micro_batch)
@@ -122,11 +107,11 @@ def worker_spec(
         plan=the_plan,
         deepspeed=deepspeed_config(cfg, the_plan, max_steps, hidden_size),
         model=model.name_or_path,
-        targets=targets,
+        targets=job.targets,
         max_length=model.max_length,
         batches_per_epoch=batches_per_epoch,
         max_steps=max_steps,
-        model_uri=store.model_dir,
+        model_uri=job.store.model_dir,
         evaluation=evaluation,
     )
 
@@ -146,8 +131,7 @@ def build_trainer(
     cfg, the_plan = spec.train, spec.plan
     storage_path, filesystem = storage.pyarrow_filesystem(store.train_dir)
     return Trainer(
-        train_worker,
-        train_loop_config={"spec": spec.model_copy(update={"channel": channel}).model_dump()},
+        partial(train_worker, spec.model_copy(update={"channel": channel})),
         datasets={"train": train_rows},
         dataset_config=data_config(),
         scaling_config=ScalingConfig(

@@ -7,13 +7,17 @@ driver never calls. Before those imports the worker starts reading its first epo
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
 
-def train_worker(config: dict) -> None:
+if TYPE_CHECKING:
     from tasks.train.spec import WorkerSpec
+
+
+def train_worker(spec: WorkerSpec) -> None:
+    """The driver binds the spec (functools.partial): Ray Train calls it with no argument."""
     from tasks.train.stream import first_epoch_started
 
-    spec = WorkerSpec.model_validate(config["spec"])
     first_epoch = first_epoch_started(spec.plan.micro_batch, spec.train)
     from tasks.train.worker import train_worker as run
 
-    run(config, first_epoch)
+    run(spec, first_epoch)

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 from prefect import get_run_logger, task
 
-from tasks.contracts.training import Result
+from tasks.contracts.training import Result, TrainingJob
 from tasks.core import jobs
 from tasks.core.config import ModelConfig
-from tasks.core.layout import RunStore
 from tasks.core.targets import Targets
 from tasks.core.train_config import TrainConfig
 from tasks.prefect_side.limits import TRAINING_TAG
@@ -19,27 +18,11 @@ from tasks.train.plan import check_plan
 
 
 @task(tags=[TRAINING_TAG], **RETRY_TRANSIENT)
-def train(
-    tokenized: dict[str, str],
-    model: ModelConfig,
-    targets: Targets,
-    cfg: TrainConfig,
-    store: RunStore,
-    ray_address: str | None = None,
-) -> Result:
+def train(job: TrainingJob, ray_address: str | None = None) -> Result:
     """Fine-tune on the tokenized splits; the consolidated model lands in the run's model folder. Returns
     the per-epoch history, the loss and accuracy per step, and the validation predictions."""
     with Tracked("training-progress", "Training: % of its optimizer steps done") as progress:
-        return jobs.run(
-            fit,
-            ray_address,
-            progress,
-            tokenized=tokenized,
-            model=model,
-            targets=targets,
-            cfg=cfg,
-            store=store,
-        )
+        return jobs.run(fit, ray_address, progress, job=job)
 
 
 @task

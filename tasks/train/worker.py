@@ -194,11 +194,10 @@ def tick(point: Point, max_steps: int, samples_per_s: float) -> Tick:
     )
 
 
-def train_worker(config: dict, first_epoch: Future[Iterator[dict]] | None = None) -> None:
-    """A Ray Train worker: the spec from the config, then training, its heartbeats posted on the
-    driver's channel (the last one exactly, if it fails). `first_epoch`: the first epoch's rows,
-    already being read (tasks/train/stream.py)."""
-    spec = WorkerSpec.model_validate(config["spec"])
+def train_worker(spec: WorkerSpec, first_epoch: Future[Iterator[dict]] | None = None) -> None:
+    """A Ray Train worker: training, its heartbeats posted on the driver's channel (the last one
+    exactly, if it fails). `first_epoch`: the first epoch's rows, already being read
+    (tasks/train/stream.py)."""
     with Pulse(spec.channel, ray.train.get_context().get_world_rank()).beating() as pulse:
         Recipe(spec, spec.channel, pulse).train(first_epoch)
 

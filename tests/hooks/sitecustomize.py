@@ -59,12 +59,12 @@ def hook_worker(module) -> None:
         return
     train_worker = module.train_worker
 
-    def checked(config: dict, first_epoch=None) -> None:
+    def checked(spec, first_epoch=None) -> None:
         import ray.train.torch
         from devices import check_collectives
 
         check_collectives(ray.train.torch.get_device())
-        train_worker(config, first_epoch)
+        train_worker(spec, first_epoch)
 
     module.train_worker = checked
 
