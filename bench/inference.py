@@ -39,7 +39,7 @@ from tiny_model import make_tiny_bert  # noqa: E402
 
 from tasks.core import cluster  # noqa: E402
 from tasks.core.config import InferenceConfig, ModelConfig  # noqa: E402
-from tasks.core.data import iter_frames  # noqa: E402
+from tasks.core.files import iter_frames  # noqa: E402
 from tasks.core.progress import periodically  # noqa: E402
 from tasks.infer.task import predict_files  # noqa: E402
 

@@ -19,7 +19,8 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, LogFilter, LogFilterFlowRunId
 
 from tasks.core import cluster, layout, progress, storage
-from tasks.core.data import DataError, iter_frames
+from tasks.core.data import DataError
+from tasks.core.files import iter_frames
 from tasks.core.layout import MARKER
 from tasks.infer import driver as infer
 from tasks.infer.worker import Counts

@@ -10,17 +10,10 @@ import pytest
 from conftest import BUCKET, write_jsonl
 from pydantic import ValidationError
 
-from tasks.core import data, storage
+from tasks.core import files, storage
 from tasks.core.config import DataConfig, InferenceConfig
-from tasks.core.data import (
-    CHUNK_ROWS,
-    DataError,
-    Split,
-    iter_frames,
-    labelled_frames,
-    load_split,
-    load_splits,
-)
+from tasks.core.data import DataError, Split, labelled_frames, load_split, load_splits
+from tasks.core.files import CHUNK_ROWS, iter_frames
 from tasks.validate.checks import files_to_label
 
 ROWS = [{"text": "a fine film", "label": 1}, {"text": "a dull film", "label": 0}, {"text": "great", "label": 1}]
@@ -79,7 +72,7 @@ def test_reads_from_s3(s3_endpoint, tmp_path):
 def test_a_utf8_byte_order_mark_is_read_as_if_absent(tmp_path, monkeypatch, request, where):
     """Spreadsheets and many Windows tools start a file with one: as a labelled split and as files to
     label, read in byte-range pieces (the mark is in the first only). The content hash keeps it."""
-    monkeypatch.setattr(data, "PIECE_BYTES", 300)
+    monkeypatch.setattr(files, "PIECE_BYTES", 300)
     rows = pd.DataFrame({"text": [f"review {i}" for i in range(60)], "label": [i % 2 for i in range(60)]})
     for fmt in ("jsonl", "csv"):
         path = write(rows, tmp_path / f"train.{fmt}", fmt)
@@ -154,7 +147,7 @@ def test_unknown_format_is_refused(tmp_path):
 def test_a_compressed_file_reads_as_its_format_in_one_piece(tmp_path, monkeypatch, codec):
     """pandas writes train.jsonl.gz compressed, as it reads it: ftflow reads it as it streams, found in
     a directory too; it cannot be cut by bytes, so it is one piece however small pieces are."""
-    monkeypatch.setattr(data, "PIECE_BYTES", 300)
+    monkeypatch.setattr(files, "PIECE_BYTES", 300)
     rows = pd.DataFrame({"text": [f"review {i}" for i in range(200)], "label": [i % 2 for i in range(200)]})
     for fmt in ("jsonl", "csv", "tsv"):
         path = write(rows, tmp_path / fmt / f"train.{fmt}.{codec}", fmt)
@@ -163,7 +156,7 @@ def test_a_compressed_file_reads_as_its_format_in_one_piece(tmp_path, monkeypatc
         read = rows_of(split)
         assert read["text"].tolist() == rows["text"].tolist() and read["label"].tolist() == rows["label"].tolist()
         assert split.sha256 == hashlib.sha256(path.read_bytes()).hexdigest(), "the content key: the bytes stored"
-        assert 0.5 < data.rows_per_byte(str(path)) * path.stat().st_size / 200 < 2, "rows per byte as stored"
+        assert 0.5 < files.rows_per_byte(str(path)) * path.stat().st_size / 200 < 2, "rows per byte as stored"
 
 
 def test_problems_past_the_first_chunk_name_the_row_in_the_file(tmp_path):
@@ -178,7 +171,7 @@ def test_problems_past_the_first_chunk_name_the_row_in_the_file(tmp_path):
 def test_a_file_read_in_pieces_gives_every_row_once(tmp_path, monkeypatch, fmt):
     """JSONL cut by bytes (a line belongs to the piece it starts in), Parquet by row groups: one big
     file is read by many tasks. Errors still name the row in the file."""
-    monkeypatch.setattr(data, "PIECE_BYTES", 300)
+    monkeypatch.setattr(files, "PIECE_BYTES", 300)
     rows = pd.DataFrame(
         {"text": [f"review {i}" + "!" * (i % 7) for i in range(200)], "label": [i % 3 % 2 for i in range(200)]}
     )

@@ -109,6 +109,19 @@ def test_the_floors_are_held():
         assert not crossings(ROOT / path, source), f"{path}: {source}"
 
 
+def test_functions_and_modules_stay_short():
+    """A function a reader takes in at once (60 lines), a module of one concern (400)."""
+    long = []
+    for path in sources():
+        source = path.read_text()
+        if len(source.splitlines()) > 400:
+            long.append(f"{module(path)}: {len(source.splitlines())} lines")
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.end_lineno - node.lineno >= 60:
+                long.append(f"{module(path)}.{node.name}: {node.end_lineno - node.lineno + 1} lines")
+    assert not long
+
+
 def test_what_runs_in_ray_workers_imports_no_prefect():
     prefect_side = {path for pattern in PREFECT_SIDE for path in TASKS.glob(pattern)}
     ray_side = sorted(module(path) for path in TASKS.rglob("*.py") if path not in prefect_side)

@@ -19,7 +19,7 @@ from test_data import mixed_split
 from test_flow import params
 
 from flows.finetune import finetune
-from tasks.core import cluster, data, layout, storage
+from tasks.core import cluster, files, layout, storage
 from tasks.core.cluster import Resources
 from tasks.core.config import DataConfig
 from tasks.core.data import load_splits
@@ -51,7 +51,7 @@ def test_same_content_elsewhere_hits_the_cache(ray_cluster, tiny_model, small_da
     original, same_content, shorter = tokenize_three_times()
     assert original.name == "Completed" and same_content.name == "Cached" and shorter.name == "Completed"
     assert same_content.result() == original.result()
-    assert shorter.result()["train"] != original.result()["train"]
+    assert shorter.result().train != original.result().train
 
     labels = [row["label"] for row in read_jsonl(small_data["train"])]
     for uris, max_length in ((original.result(), 48), (shorter.result(), 16)):
@@ -78,7 +78,7 @@ def test_the_key_follows_the_tokenizer_files_not_the_model_folder(tiny_model, sm
 def test_split_of_many_files_tokenizes_exactly_its_rows(
     ray_cluster, tiny_model, small_data, tmp_path, monkeypatch, caplog
 ):
-    monkeypatch.setattr(data, "PIECE_BYTES", 500)  # the JSONL file and the Parquet file in pieces too
+    monkeypatch.setattr(files, "PIECE_BYTES", 500)  # the JSONL file and the Parquet file in pieces too
     caplog.set_level(logging.INFO, logger="ftflow")
     inputs, expected = mixed_split(tmp_path / "data", read_jsonl(small_data["train"]))
     splits = load_splits(
@@ -127,7 +127,7 @@ def test_an_interrupted_attempt_is_replaced_and_complete_shards_reused(ray_clust
     marker = storage.read_json(storage.join(key.target, MARKER))
     assert marker["rows"] == {"train": 2048, "validation": 128, "test": 128}
     assert layout.OutputFolder(key.target).files() == {*marker["files"], MARKER}, "the failed attempt's files are gone"
-    assert pq.read_table(again.result()["test"]).num_rows == 128
+    assert pq.read_table(again.result().test).num_rows == 128
     assert tokenize_as_finetune_does().name == "Cached"
 
     # A machine whose Prefect cache lacks the key finds the complete shards: reused, not rewritten.

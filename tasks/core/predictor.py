@@ -16,6 +16,7 @@ import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from tasks.core.attention import without_cudnn_attention
+from tasks.core.config import InferenceEngine
 from tasks.core.first_token import last_layer_at_first_token
 from tasks.core.objective import outputs_of
 from tasks.core.scoring import THRESHOLD
@@ -35,7 +36,7 @@ class Predictor:
         batch_size: int,
         threads: int | None = None,
         precision: str = "auto",
-        engine: str = "torch",
+        engine: InferenceEngine = "torch",
     ):
         if threads:
             torch.set_num_threads(threads)
@@ -95,7 +96,7 @@ class Predictor:
         return {name: torch.from_numpy(array).to(self.device) for name, array in inputs.items()}
 
 
-def runner(model: torch.nn.Module, engine: str, dtype: torch.dtype) -> Callable[..., Any]:
+def runner(model: torch.nn.Module, engine: InferenceEngine, dtype: torch.dtype) -> Callable[..., Any]:
     """What calls the model, by inference.engine (tasks/core/config.py)."""
     if engine == "compile":  # dynamic: each batch pads to its own longest row, a new length nearly every time
         return torch.compile(model, dynamic=True)

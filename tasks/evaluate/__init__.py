@@ -1,1 +1,1 @@
-"""Stage 3. task.py: the Prefect task and its artifacts; contract.py: Metrics, from the labels training gave."""
+"""Stage 3. task.py: the Prefect task and its artifacts; the Metrics it writes are tasks/contracts/metrics.py."""

@@ -1,6 +1,6 @@
 """Stage 3, the Prefect side: held-out metrics of the trained model, stored and shown as Prefect
 artifacts, from what the trained engine predicted of the test split where it was trained
-(tasks/train/worker.py); tasks/evaluate/contract.py computes them, for the run's task."""
+(tasks/train/worker.py); tasks/contracts/metrics.py computes them, for the run's task."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from tasks.contracts.metrics import AnyMetrics, Metrics, MultiLabelMetrics, RegressionMetrics, details_markdown
 from tasks.contracts.training import Result
 from tasks.core import storage
-from tasks.core.data import Split, shown
+from tasks.core.data import Split
+from tasks.core.files import shown
 from tasks.core.layout import RunStore
 from tasks.prefect_side.retries import RETRY_TRANSIENT
 

@@ -11,10 +11,10 @@ from dataclasses import asdict
 import ray
 from ray.data import DataContext
 
-from tasks.contracts.labels import Labelled, Reading
+from tasks.contracts.labels import Labelled
 from tasks.core import cluster, jobs, layout, storage
 from tasks.core.config import InferenceConfig
-from tasks.core.data import cut, expand_inputs, numbered, rows_per_byte
+from tasks.core.files import cut, expand_inputs, numbered, rows_per_byte
 from tasks.core.progress import Tick, log_tick, tallied
 from tasks.infer.labels import completed, file_names
 from tasks.infer.worker import Counts, Labeller, Part
@@ -33,8 +33,50 @@ def labelled(model_uri: str, cfg: InferenceConfig, output_uri: str) -> Labelled:
     sees them, cut into parts, then one Ray Data pipeline of model actors, each labelling a part per
     call (tasks/infer/worker.py)."""
     files = expand_inputs(cfg.input_uri)
-    text_column, output = cfg.text_column or "text", layout.OutputFolder(output_uri)
+    output = layout.OutputFolder(output_uri)
     sizes = {uri: storage.size(uri) for uri in files}  # once: for the actors and the parts
+    actors, cpus, gpus = actor_pool(cfg, sizes)
+    parts = cut_in_parts(sizes, actors)
+    job = output.start()  # a re-run replaces exactly what an earlier job here wrote, complete or not
+    started = time.perf_counter()
+    # Ray Data waits for an actor pool's replicas forever unless told otherwise: a pool no node can
+    # hold (or that the autoscaler does not add in time) fails instead, below.
+    DataContext.get_current().wait_for_min_actors_s = cfg.wait_for_actors_s
+    with logging_progress(parts, jobs.log) as channel, pool_failures(actors, cpus, gpus, cfg.wait_for_actors_s):
+        labeller = {
+            "model_uri": model_uri,
+            "output": storage.pyarrow_filesystem(output_uri),
+            "job": job,
+            "cfg": cfg,
+            "threads": max(1, round(cpus)),
+            "channel": channel,
+        }
+        ray.data.from_items([asdict(part) for part in parts], override_num_blocks=len(parts)).map_batches(
+            Labeller,
+            fn_constructor_kwargs=labeller,
+            batch_size=1,  # a part per call
+            batch_format="pandas",
+            compute=ray.data.ActorPoolStrategy(size=actors),
+            num_cpus=cpus,
+            num_gpus=gpus,
+        ).materialize()
+    seconds = time.perf_counter() - started
+    rows = completed(output, job, files, model_uri, cfg.model_copy(update={"text_column": cfg.text_column or "text"}))
+    return said(
+        Labelled(
+            output_uri=output_uri,
+            rows=rows,
+            files=len(files),
+            seconds=round(seconds, 2),
+            rows_per_s=round(rows / seconds, 1),
+            actors=actors,
+            parts=len(parts),
+        )
+    )
+
+
+def actor_pool(cfg: InferenceConfig, sizes: dict[str, int]) -> tuple[int, float, float]:
+    """The labelling actors (one for a small job) and each one's CPUs and GPUs, on this cluster."""
     resources = cluster.Resources.of_cluster()
     actors, cpus, gpus = resources.inference_actors(
         cfg.actors or (1 if estimated_rows(sizes) < ONE_ACTOR_ROWS else None), resources.use_gpu(cfg.device)
@@ -44,64 +86,30 @@ def labelled(model_uri: str, cfg: InferenceConfig, output_uri: str) -> Labelled:
             "inference.engine=deepspeed runs DeepSpeed's CUDA kernels, and this job labels on CPUs (the Ray "
             "cluster has no GPU now): use torch or compile, or device=gpu"
         )
-    parts = cut_in_parts(sizes, actors)
-    job = output.start()  # a re-run replaces exactly what an earlier job here wrote, complete or not
-    out_path, out_fs = storage.pyarrow_filesystem(output_uri)
-    logger, started = jobs.log, time.perf_counter()
-    # Ray Data waits for an actor pool's replicas forever unless told otherwise: a pool no node can
-    # hold (or that the autoscaler does not add in time) fails instead, below.
-    DataContext.get_current().wait_for_min_actors_s = cfg.wait_for_actors_s
-    with logging_progress(parts, logger) as channel, pool_failures(actors, cpus, gpus, cfg.wait_for_actors_s):
-        ray.data.from_items([asdict(part) for part in parts], override_num_blocks=len(parts)).map_batches(
-            Labeller,
-            fn_constructor_kwargs={
-                "model_uri": model_uri,
-                "output": (out_path, out_fs),
-                "job": job,
-                "reading": Reading.of(cfg),
-                "window_rows": cfg.window_rows,
-                "batch_size": cfg.batch_size,
-                "threads": max(1, round(cpus)),
-                "precision": cfg.precision,
-                "engine": cfg.engine,
-                "channel": channel,
-            },
-            batch_size=1,  # a part per call
-            batch_format="pandas",
-            concurrency=actors,
-            num_cpus=cpus,
-            num_gpus=gpus,
-        ).materialize()
-    seconds = time.perf_counter() - started
-    rows = completed(output, job, files, model_uri, cfg.model_copy(update={"text_column": text_column}))
-    log_tick(
-        logger,
-        Tick(
-            stage="batch inference",
-            done=rows,
-            total=rows,
-            unit="rows",
-            metrics={"rows_per_s": rows / seconds},
-            text=f"{rows / seconds:,.0f} rows/s",
-        ),
+    return actors, cpus, gpus
+
+
+def said(result: Labelled) -> Labelled:
+    """The job's last tick and line."""
+    rate = result.rows_per_s
+    tick = Tick(
+        stage="batch inference",
+        done=result.rows,
+        total=result.rows,
+        unit="rows",
+        metrics={"rows_per_s": rate},
+        text=f"{rate:,.0f} rows/s",
     )
-    logger.info(
+    log_tick(jobs.log, tick)
+    jobs.log.info(
         "labelled %d rows from %d file(s) into %s in %.1f s (%.0f rows/s)",
-        rows,
-        len(files),
-        output_uri,
-        seconds,
-        rows / seconds,
+        result.rows,
+        result.files,
+        result.output_uri,
+        result.seconds,
+        rate,
     )
-    return Labelled(
-        output_uri=output_uri,
-        rows=rows,
-        files=len(files),
-        seconds=round(seconds, 2),
-        rows_per_s=round(rows / seconds, 1),
-        actors=actors,
-        parts=len(parts),
-    )
+    return result
 
 
 def cut_in_parts(sizes: dict[str, int], actors: int) -> list[Part]:

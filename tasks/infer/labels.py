@@ -1,4 +1,4 @@
-"""What batch inference writes, in one place (its schema: tasks/infer/contract.py): a window of labels as a table,
+"""What batch inference writes, in one place (its schema: tasks/contracts/labels.py): a window of labels as a table,
 the default row ids, and the output folder's record. Also the test split's labels written from the
 labels the trained engine gave it (tasks/train/worker.py), exactly as a model's actors would write
 them: the finetune flow's batch inference of the test split then loads no model again (9.8 s of a
@@ -20,7 +20,8 @@ from tasks.contracts.labels import Labelled, Reading, labels_schema
 from tasks.contracts.training import Predictions
 from tasks.core import layout, storage
 from tasks.core.config import InferenceConfig
-from tasks.core.data import Split, iter_frames
+from tasks.core.data import Split
+from tasks.core.files import iter_frames
 from tasks.core.targets import Targets
 
 

@@ -23,7 +23,9 @@ from pydantic import BaseModel
 
 from tasks.contracts.labels import Reading, labels_schema
 from tasks.core import progress
-from tasks.core.data import DataError, Piece, file_format, iter_frames, reading
+from tasks.core.config import InferenceConfig
+from tasks.core.data import DataError
+from tasks.core.files import Piece, file_format, iter_frames, reading
 from tasks.infer.labels import columns, labels_table
 
 
@@ -65,20 +67,16 @@ class Labeller:
         model_uri: str,
         output: tuple[str, object],
         job: str,
-        reading: Reading,
-        window_rows: int,
-        batch_size: int,
+        cfg: InferenceConfig,
         threads: int,
-        precision: str,
-        engine: str,
         channel: str | None = None,
     ):
         from tasks.core.predictor import Predictor  # torch and transformers: in the actor only, not its driver
 
-        self.predictor = Predictor(model_uri, batch_size, threads, precision=precision, engine=engine)
-        self.schema = labels_schema(self.predictor.targets, reading.pair_id_column is not None)
+        self.predictor = Predictor(model_uri, cfg.batch_size, threads, precision=cfg.precision, engine=cfg.engine)
+        self.reading, self.window_rows = Reading.of(cfg), cfg.window_rows
+        self.schema = labels_schema(self.predictor.targets, self.reading.pair_id_column is not None)
         (self.path, self.filesystem), self.job = output, job
-        self.reading, self.window_rows = reading, window_rows
         self.channel, self.me, self.counts = channel, uuid.uuid4().hex, Counts()
 
     def __call__(self, parts: pd.DataFrame) -> pd.DataFrame:

@@ -1,2 +1,2 @@
-"""Stage 3b. task.py: the promotion gate; rescore.py: a champion scored again; contract.py: the
-Decision and the champion pointers in storage."""
+"""Stage 3b. task.py: the promotion gate; rescore.py: a champion scored again. Its Decision and the
+registry's champion pointers are tasks/contracts/promotion.py."""

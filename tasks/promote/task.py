@@ -1,4 +1,4 @@
-"""Stage 3b: the promotion gate, writing the registry's champion pointer (tasks/promote/contract.py).
+"""Stage 3b: the promotion gate, writing the registry's champion pointer (tasks/contracts/promotion.py).
 
 A model is promoted only above a floor: by default, better than a model that learned nothing
 (evaluation's floor: always predicting the test split's majority class, giving each label as most
@@ -78,51 +78,23 @@ def promote(
 ) -> Decision:
     """Make the run's model the champion of cfg.model_name if it clears the floor and is at least as
     good as the champion on the test split."""
-    model_uri, run_id, root, cfg = store.model_dir, store.run_id, store.root, cfg.of_task(metrics.task)
-    pointer = layout.StorageRoot(root).champion(cfg.model_name)
+    cfg = cfg.of_task(metrics.task)
+    pointer = layout.StorageRoot(store.root).champion(cfg.model_name)
     record, version = storage.read_versioned_json(pointer)
     current = Champion.model_validate(record) if record is not None else None
-    challenger, (least, reaching_is_enough, floor_words) = metrics.scores()[cfg.metric], floor(metrics, cfg)
-    champion, sign = None, -1 if cfg.lower_is_better else 1
-    if not better(cfg, challenger, least) or (challenger == least and not reaching_is_enough):
-        above = "below" if cfg.lower_is_better else "above"
-        promoted, why = False, f"{cfg.metric} {challenger:.4f} is not {above} the floor: {floor_words}"
-    elif current is None:
-        promoted, why = True, "no champion yet"
-    else:
-        champion = champions_score(current, test, cfg.metric, ray_address)
-        promoted = better(cfg, challenger, champion + sign * cfg.margin)
-        compared = ("<=" if promoted else ">") if sign < 0 else (">=" if promoted else "<")
-        why = (
-            f"{cfg.metric} {challenger:.4f} {compared} the champion's {champion:.4f} "
-            f"{'-' if sign < 0 else '+'} margin {cfg.margin:g}, on the same test split"
+    challenger, (_, _, floor_words) = metrics.scores()[cfg.metric], floor(metrics, cfg)
+    promoted, why, champion = judged(metrics, cfg, current, test, ray_address)
+    if promoted:
+        new = Champion(
+            model_uri=store.model_dir,
+            run_id=store.run_id,
+            metric=cfg.metric,
+            value=challenger,
+            test_sha256=test.sha256,
+            test_reading=reading(test),
+            promoted_at=datetime.now(UTC).isoformat(),
         )
-    new = Champion(
-        model_uri=model_uri,
-        run_id=run_id,
-        metric=cfg.metric,
-        value=challenger,
-        test_sha256=test.sha256,
-        test_reading=reading(test),
-        promoted_at=datetime.now(UTC).isoformat(),
-    )
-    if promoted and not storage.swap_json(pointer, version, new.model_dump(mode="json")):
-        winner = Champion.model_validate(storage.read_json(pointer))
-        promoted = False
-        why = (
-            f"{why}, but while this run compared, run {winner.run_id} made {winner.model_uri} the champion "
-            f"({winner.metric} {winner.value:.4f}); the next run compares with it"
-        )
-    if promoted:  # for what a promotion triggers (deployments/definitions.py): labelling with the new champion
-        events.promoted(
-            cfg.model_name,
-            model_uri,
-            cfg.metric,
-            challenger,
-            run_id,
-            root,
-            layout.StorageRoot(root).labels(cfg.model_name, run_id),
-        )
+        promoted, why = claimed(pointer, version, new, why)
     decision = Decision(
         promoted=promoted,
         reason=why,
@@ -134,10 +106,52 @@ def promote(
         previous_champion_uri=current.model_uri if current else None,
         pointer=pointer,
     )
+    announced(decision, store)
+    return decision
+
+
+def judged(
+    metrics: AnyMetrics, cfg: PromotionConfig, current: Champion | None, test: Split, ray_address: str | None
+) -> tuple[bool, str, float | None]:
+    """Whether the challenger wins, why, and the champion's score on this test split (None: not scored)."""
+    challenger, (least, reaching_is_enough, floor_words) = metrics.scores()[cfg.metric], floor(metrics, cfg)
+    if not better(cfg, challenger, least) or (challenger == least and not reaching_is_enough):
+        above = "below" if cfg.lower_is_better else "above"
+        return False, f"{cfg.metric} {challenger:.4f} is not {above} the floor: {floor_words}", None
+    if current is None:
+        return True, "no champion yet", None
+    champion, sign = champions_score(current, test, cfg.metric, ray_address), -1 if cfg.lower_is_better else 1
+    promoted = better(cfg, challenger, champion + sign * cfg.margin)
+    compared = ("<=" if promoted else ">") if sign < 0 else (">=" if promoted else "<")
+    why = (
+        f"{cfg.metric} {challenger:.4f} {compared} the champion's {champion:.4f} "
+        f"{'-' if sign < 0 else '+'} margin {cfg.margin:g}, on the same test split"
+    )
+    return promoted, why, champion
+
+
+def claimed(pointer: str, version: str | None, new: Champion, why: str) -> tuple[bool, str]:
+    """The pointer swapped to the new champion, if no other run moved it since it was read."""
+    if storage.swap_json(pointer, version, new.model_dump(mode="json")):
+        return True, why
+    winner = Champion.model_validate(storage.read_json(pointer))
+    return False, (
+        f"{why}, but while this run compared, run {winner.run_id} made {winner.model_uri} the champion "
+        f"({winner.metric} {winner.value:.4f}); the next run compares with it"
+    )
+
+
+def announced(decision: Decision, store: RunStore) -> None:
+    """The decision in the run's log and its Prefect artifact; a promotion as the event that triggers
+    labelling with the new champion (deployments/definitions.py)."""
+    name, why = decision.model_name, decision.reason
+    if decision.promoted:
+        labels = layout.StorageRoot(store.root).labels(name, store.run_id)
+        events.promoted(name, store.model_dir, decision.metric, decision.challenger, store.run_id, store.root, labels)
     get_run_logger().info("%s (%s)", decision.verdict().replace("`", ""), why)
     create_markdown_artifact(
         key="promotion",
-        markdown=f"### {model_uri}\n\n{decision.verdict()} ({why}).\n\nFloor: {floor_words}.\n\nPointer: `{pointer}`\n",
+        markdown=f"### {store.model_dir}\n\n{decision.verdict()} ({why}).\n\nFloor: {decision.floor}.\n\n"
+        f"Pointer: `{decision.pointer}`\n",
         description="The promotion gate's decision",
     )
-    return decision

@@ -142,6 +142,19 @@ def data_rows(splits: dict[str, Split], tokenized: TokenizedSplits, root: str) -
     ]
 
 
+def stored(outputs: Outputs, results: Results) -> dict[str, str]:
+    """Where each of the run's artifacts is."""
+    return {
+        "model": outputs.model,
+        "metrics": outputs.metrics,
+        "predictions": outputs.predictions.output_uri,
+        "training checkpoints": outputs.checkpoints,
+        "report and plots": outputs.report,
+        "manifest (config, versions, data hashes)": outputs.manifest,
+        "champion pointer": results.promotion.pointer,
+    }
+
+
 def markdown(
     store: RunStore,
     config: dict,
@@ -153,15 +166,6 @@ def markdown(
 ) -> str:
     """The report, with each plot at images[name]: a file beside it, or the PNG inline for the Prefect UI."""
     root = storage.normalize(store.root)
-    stored = {
-        "model": outputs.model,
-        "metrics": outputs.metrics,
-        "predictions": outputs.predictions.output_uri,
-        "training checkpoints": outputs.checkpoints,
-        "report and plots": outputs.report,
-        "manifest (config, versions, data hashes)": outputs.manifest,
-        "champion pointer": results.promotion.pointer,
-    }
 
     def plot_link(name: str) -> str:
         return f"Stored as {link(storage.join(store.report, PLOTS[name]), root)}"
@@ -199,7 +203,7 @@ def markdown(
         *phase_lines(seconds.get("phases", {})),
         "## Stored artifacts",
         "",
-        *table([{"what": what, "where": link(uri, root)} for what, uri in stored.items()]),
+        *table([{"what": what, "where": link(uri, root)} for what, uri in stored(outputs, results).items()]),
         "",
         "## Configuration",
         "",

@@ -17,7 +17,8 @@ from tokenizers import Tokenizer
 
 from tasks.contracts.shards import shard_schema
 from tasks.core import progress, storage
-from tasks.core.data import SPLITS, Piece, Schema, Split, labelled_frames
+from tasks.core.data import SPLITS, Schema, Split, labelled_frames
+from tasks.core.files import Piece
 from tasks.core.text import encoded
 
 SHARD_BYTES = 256 << 20  # the most input one task tokenizes into one Parquet file

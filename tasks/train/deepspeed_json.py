@@ -17,8 +17,8 @@ def merge(base: dict, override: dict) -> dict:
     return merged
 
 
-def deepspeed_config(cfg: TrainConfig, plan: Plan, total_steps: int, hidden_size: int = 768) -> dict:
-    """The DeepSpeed JSON, derived from the typed config in this one place."""
+def zero_config(cfg: TrainConfig, plan: Plan, hidden_size: int) -> dict:
+    """The `zero_optimization` section: the stage, ZeRO-3's buffers, and what is offloaded."""
     zero: dict = {"stage": cfg.zero_stage, "stage3_gather_16bit_weights_on_model_save": True}
     if cfg.zero_stage == 3:
         # ZeRO-3 buffers sized to the model, as transformers' "auto" values do; DeepSpeed's defaults
@@ -37,7 +37,11 @@ def deepspeed_config(cfg: TrainConfig, plan: Plan, total_steps: int, hidden_size
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": plan.use_gpu}
     if cfg.offload_params:
         zero["offload_param"] = {"device": "cpu", "pin_memory": plan.use_gpu}
-    warmup_steps = max(1, int(total_steps * cfg.warmup_ratio))  # DeepSpeed's schedulers need >= 1
+    return zero
+
+
+def adam_config(cfg: TrainConfig) -> dict:
+    """AdamW's parameters, and which implementation DeepSpeed builds."""
     adam = {"lr": cfg.learning_rate, "weight_decay": cfg.weight_decay}
     if cfg.offload_optimizer:
         adam["torch_adam"] = False  # offloaded state needs DeepSpeedCPUAdam
@@ -46,15 +50,21 @@ def deepspeed_config(cfg: TrainConfig, plan: Plan, total_steps: int, hidden_size
         # flat ZeRO partition page-faulted on every step): MiniLM's optimizer step 0.33 -> 0.15 s at
         # ZeRO-2, 0.15 -> 0.05 s at ZeRO-0, on CPU.
         adam |= {"torch_adam": True, "fused": True}
+    return adam
+
+
+def deepspeed_config(cfg: TrainConfig, plan: Plan, total_steps: int, hidden_size: int = 768) -> dict:
+    """The DeepSpeed JSON, derived from the typed config in this one place."""
+    warmup_steps = max(1, int(total_steps * cfg.warmup_ratio))  # DeepSpeed's schedulers need >= 1
     derived = {
         "train_batch_size": cfg.batch_size,
         "train_micro_batch_size_per_gpu": plan.micro_batch,
         "gradient_accumulation_steps": plan.accumulation,
         "gradient_clipping": cfg.max_grad_norm,
-        "zero_optimization": zero,
+        "zero_optimization": zero_config(cfg, plan, hidden_size),
         "bf16": {"enabled": plan.precision == "bf16"},
         "fp16": {"enabled": plan.precision == "fp16"},
-        "optimizer": {"type": "AdamW", "params": adam},
+        "optimizer": {"type": "AdamW", "params": adam_config(cfg)},
         "scheduler": {
             "type": "WarmupDecayLR",
             "params": {

@@ -1,7 +1,7 @@
 """Stage 2, the driver side (a Ray job on the cluster, no Prefect): plan the run (tasks/train/plan.py),
 derive the DeepSpeed JSON (tasks/train/deepspeed_json.py), hand the streamed splits
 (tasks/train/ingest.py) to Ray Train, and return what the workers (tasks/train/worker.py) recorded,
-a Result (tasks/train/contract.py)."""
+a Result (tasks/contracts/training.py)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Stage 2, the worker side: what every Ray Train worker runs, `train_worker`, a DeepSpeed engine
 fed by its shard of the streamed tokenized splits (tasks/train/batches.py), trained and validated
-through its Replica (tasks/train/replica.py), saved, resumed and exported here. The driver
-(tasks/train/driver.py) hands it a WorkerSpec and reads back a Result (tasks/train/contract.py).
+through its Replica (tasks/train/replica.py), saved, resumed and exported by tasks/train/checkpoints.py. The driver
+(tasks/train/driver.py) hands it a WorkerSpec and reads back a Result (tasks/contracts/training.py).
 This module imports no Prefect and no driver code, so workers start without them.
 
 The loop is ours (not the HF Trainer) so that the DeepSpeed engine, its ZeRO stage and its
@@ -10,29 +10,22 @@ checkpoints stay visible and configurable; transformers still does all model I/O
 
 from __future__ import annotations
 
-import copy
 import logging
 import resource
-import tempfile
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from itertools import islice
-from pathlib import Path
 
 import ray
 import ray.train
 import ray.train.torch
 import torch
 import torch.distributed as dist
-from ray.train import Checkpoint
 
 from tasks.contracts.training import (
-    SCORE,
-    STATE_FILE,
-    UNVALIDATED,
     EpochRecord,
     Kept,
     Marks,
@@ -40,14 +33,14 @@ from tasks.contracts.training import (
     Predictions,
     Result,
 )
-from tasks.core import storage
 from tasks.core.objective import mean_loss, outputs_of, real_rows, right
 from tasks.core.progress import Tick, post, say
 from tasks.core.scoring import tuned_thresholds
 from tasks.train.batches import evaluation_batches, training_batches
+from tasks.train.checkpoints import CheckpointPolicy, export, resume, save
 from tasks.train.engine import engine_line, setup
 from tasks.train.replica import Replica, on
-from tasks.train.spec import Progress, WorkerSpec
+from tasks.train.spec import WorkerSpec
 from tasks.train.stream import drawn
 from tasks.train.watch import TRAINING, Pulse
 
@@ -126,60 +119,6 @@ def peak_memory_mb(device: torch.device) -> float:
     return worst.item()
 
 
-def save(engine, progress: Progress, metrics: dict) -> None:
-    """Report a checkpoint from every rank: each writes its own ZeRO shards of the DeepSpeed engine
-    state and Ray gathers them into one checkpoint; the progress travels inside it."""
-    with tempfile.TemporaryDirectory() as folder:
-        engine.save_checkpoint(folder, tag="state", client_state={"progress": progress.model_dump()})
-        ray.train.report(metrics, checkpoint=Checkpoint.from_directory(folder))
-
-
-def resume(engine, channel: str | None) -> Progress:
-    """Load the latest checkpoint Ray Train holds for this run (after a worker failure, a task
-    retry or a re-run with the same run id) and return its progress, or the start of training."""
-    checkpoint = ray.train.get_checkpoint()
-    if checkpoint is None:
-        return Progress()
-    with checkpoint.as_directory() as folder:
-        _, client_state = engine.load_checkpoint(folder, tag="state")
-    progress = Progress.model_validate(client_state["progress"])
-    if dist.get_rank() == 0 and channel is not None:
-        say(
-            channel,
-            logging.INFO,
-            f"rank 0: resumed from the checkpoint at step {engine.global_steps}: epoch {progress.epoch + 1}, "
-            f"micro-batch {progress.batches_done}",
-        )
-    return progress
-
-
-def export(replica: Replica, tokenizer, spec: WorkerSpec, result: Result) -> None:
-    """Rank 0 writes the consolidated HF model folder straight into the run's storage (the driver
-    never downloads checkpoint shards); where the parameters are split every rank joins the gather.
-    The weights are saved in fp32 whatever the training precision: a bf16 or fp16 engine's weights
-    saved as they are would load as a bf16/fp16 model by default, 2.4x slower on a CPU (bf16), and
-    evaluation and inference choose their own precision at load."""
-    model, weights = replica.exported()
-    if dist.get_rank() == 0:
-        weights = {
-            name: tensor.float() if tensor.is_floating_point() else tensor
-            for name, tensor in (weights or model.state_dict()).items()
-        }
-        config = copy.deepcopy(model.config)
-        config.dtype = torch.float32  # transformers takes the saved dtype from the module's parameters
-        if result.thresholds is not None:  # what inference decides each label by (tasks/core/predictor.py)
-            config.label_thresholds = result.thresholds
-        if spec.targets.pairs:  # inference reads pairs of texts, truncated as training's were
-            config.text_pair_truncation = spec.targets.pairs
-        with tempfile.TemporaryDirectory() as folder:
-            model.save_pretrained(folder, state_dict=weights)
-            config.save_pretrained(folder)
-            tokenizer.save_pretrained(folder)
-            Path(folder, STATE_FILE).write_text(result.model_dump_json())
-            storage.upload_dir(folder, spec.model_uri)
-    dist.barrier()
-
-
 def tick(point: Point, max_steps: int, samples_per_s: float) -> Tick:
     scores = {"loss": point.loss} | ({"accuracy": point.accuracy} if point.accuracy is not None else {})
     return Tick(
@@ -237,7 +176,7 @@ class Recipe:
         if self.leader:
             say(channel, logging.INFO, engine_line(self.engine, self.device, time.perf_counter() - self.started))
         pulse("resuming")
-        self.progress = resume(self.engine, channel)
+        self.progress, self.policy = resume(self.engine, channel), CheckpointPolicy(spec.train)
         self.start_epoch, self.resumed_from = self.progress.epoch, self.engine.global_steps
         self.pad_id, self.meter, self.pin = (
             self.tokenizer.pad_token_id or 0,
@@ -255,7 +194,7 @@ class Recipe:
 
     def train(self, first_epoch: Future[Iterator[dict]] | None) -> None:
         for epoch in range(self.progress.epoch, self.cfg.epochs):
-            if self.engine.global_steps >= self.spec.max_steps or self.patience_spent():
+            if self.engine.global_steps >= self.spec.max_steps or self.policy.patience_spent(self.progress.curve):
                 break
             fresh = first_epoch is not None and epoch == 0  # its rows already being read
             rows = first_epoch.result() if fresh else drawn(self.spec.plan.micro_batch, self.cfg, epoch)
@@ -289,66 +228,28 @@ class Recipe:
 
     def after_step(self, epoch: int, stats: EpochStats) -> bool:
         """An optimizer step's triggers: log, validate, checkpoint (the epoch's end does its own);
-        True once max_steps is reached."""
-        step, pause_from = self.engine.global_steps, time.perf_counter()
-        position = epoch + stats.done / self.spec.batches_per_epoch
+        True once training should stop (max_steps, or early stopping)."""
+        step, pause_from, policy = self.engine.global_steps, time.perf_counter(), self.policy
+        position, curve = epoch + stats.done / self.spec.batches_per_epoch, self.progress.curve
         self.marks.last_step = time.time()
         self.pulse(TRAINING, step)
         if step % self.cfg.log_every_steps == 0:
-            self.progress.curve.train.append(self.meter.point(step, position))
+            curve.train.append(self.meter.point(step, position))
             if self.leader:
-                post(self.channel, tick(self.progress.curve.train[-1], self.spec.max_steps, self.meter.rows_per_s))
+                post(self.channel, tick(curve.train[-1], self.spec.max_steps, self.meter.rows_per_s))
         last = stats.done == self.spec.batches_per_epoch or step >= self.spec.max_steps
-        evaluated = bool(self.cfg.eval_every_steps and step % self.cfg.eval_every_steps == 0 and not last)
-        if evaluated:
+        validated = policy.validates(step, last)
+        if validated:
             self.validate(position)
-        scheduled = self.cfg.checkpoint_every_steps and step % self.cfg.checkpoint_every_steps == 0 and not last
-        if scheduled or (evaluated and self.new_best()):
+        if policy.checkpoints(step, last, validated, curve):
             self.pulse("checkpointing", step)
             mid_epoch = self.progress.model_copy(update={"epoch": epoch, "batches_done": stats.done}, deep=True)
-            save(self.engine, mid_epoch, self.reported(position, evaluated))
+            save(self.engine, mid_epoch, policy.reported(curve, step, position, validated))
             stats.checkpoint_seconds.append(time.perf_counter() - pause_from)
-        elif evaluated:  # for Ray Tune's schedulers, which act on every evaluation (tasks/sweep/)
-            ray.train.report(self.reported(position, evaluated))
+        elif validated:  # for Ray Tune's schedulers, which act on every evaluation (tasks/sweep/)
+            ray.train.report(policy.reported(curve, step, position, validated))
         stats.paused += time.perf_counter() - pause_from
-        return step >= self.spec.max_steps or self.patience_spent()
-
-    def new_best(self) -> bool:
-        """With keep_best, whether the evaluation just made scored better than every one before it."""
-        return self.cfg.keep_best and self.progress.curve.evaluations_since_best(self.cfg.monitor) == 0
-
-    def reported(self, position: float, evaluated: bool) -> dict:
-        """What a report to Ray Train says: where training is, and the validation there if it just ran."""
-        # evaluations: the clock of Ray Tune's ASHA, whose grace period counts them (tasks/sweep/)
-        metrics = {
-            "epoch": position,
-            "step": self.engine.global_steps,
-            "evaluations": len(self.progress.curve.validation),
-            SCORE: UNVALIDATED,
-        }
-        if evaluated:
-            point = self.progress.curve.validation[-1]
-            metrics |= {"val_loss": point.loss, SCORE: point.score(self.cfg.monitor)}
-            metrics |= {"val_accuracy": point.accuracy} if point.accuracy is not None else {}
-        return metrics
-
-    def patience_spent(self) -> bool:
-        """Early stopping's test, after an evaluation: early_stopping_patience evaluations in a row
-        without a better monitor value."""
-        patience = self.cfg.early_stopping_patience
-        return patience is not None and self.progress.curve.evaluations_since_best(self.cfg.monitor) >= patience
-
-    def stop_reason(self) -> str:
-        validation = self.progress.curve.validation
-        if self.patience_spent():
-            best = validation[-1 - self.progress.curve.evaluations_since_best(self.cfg.monitor)]
-            return (
-                f"early stopping at step {self.engine.global_steps}: no better {self.cfg.monitor} in "
-                f"{self.cfg.early_stopping_patience} evaluation(s) than step {best.step}'s {best.value(self.cfg.monitor):.4f}"
-            )
-        if self.cfg.max_steps and self.engine.global_steps >= self.cfg.max_steps:
-            return f"max_steps={self.cfg.max_steps}"
-        return f"epochs={self.cfg.epochs}"
+        return step >= self.spec.max_steps or policy.patience_spent(curve)
 
     def validate(self, position: float) -> None:
         self.pulse("validating", self.engine.global_steps)
@@ -369,7 +270,8 @@ class Recipe:
         )
         self.pulse("checkpointing", self.engine.global_steps)
         record = self.progress.history[-1]
-        save(self.engine, self.progress, self.reported(record.epoch, evaluated=True) | record.model_dump())
+        reported = self.policy.reported(self.progress.curve, self.engine.global_steps, record.epoch, validated=True)
+        save(self.engine, self.progress, reported | record.model_dump())
 
     def epoch_record(self, epoch: int, stats: EpochStats) -> EpochRecord:
         elapsed = time.perf_counter() - stats.first_done - stats.paused
@@ -394,34 +296,19 @@ class Recipe:
         )
 
     def keep(self) -> Kept:
-        """The step to export: with keep_best, the checkpoint Ray Train ranks best (of equal monitor
-        values the later), loaded into the engine where it is not the last step; else the last step."""
-        monitor, validation = self.cfg.monitor, self.progress.curve.validation
-        last = Kept(validation=validation[-1], reason="the last step (keep_best=false)")
-        if not self.cfg.keep_best:
-            return last
-        best = max(
-            ray.train.get_all_reported_checkpoints(),
-            key=lambda r: (r.metrics.get(SCORE, UNVALIDATED), r.metrics["step"]),
-        )
-        step = best.metrics["step"]
-        if step == last.step:
-            return last.model_copy(update={"reason": "the last step, also the best validated (keep_best)"})
-        self.pulse("loading the best checkpoint", step)
-        with best.checkpoint.as_directory() as folder:
-            self.engine.load_checkpoint(folder, tag="state")
-        self.predictions = None  # the last step's: the best step's are taken again below
-        kept = next(point for point in validation if point.step == step)
-        return Kept(
-            validation=kept,
-            reason=f"the best validated (keep_best): {monitor} {kept.value(monitor):.4f}, against "
-            f"{last.validation.value(monitor):.4f} at the last step, {last.step}",
-        )
+        """The step to export (CheckpointPolicy.kept), loaded into the engine where it is not the last."""
+        kept, best = self.policy.kept(self.progress.curve, self.engine.global_steps)
+        if best is not None:
+            self.pulse("loading the best checkpoint", kept.step)
+            with best.as_directory() as folder:
+                self.engine.load_checkpoint(folder, tag="state")
+            self.predictions = None  # the last step's: the best step's are taken again (finish)
+        return kept
 
     def finish(self) -> None:
         """The kept step's model (keep) labels the test split, then is exported with the Result."""
         engine, spec = self.engine, self.spec
-        stopped = self.stop_reason()
+        stopped = self.policy.stop_reason(self.progress.curve, engine.global_steps)
         kept = self.keep()
         if self.predictions is None:  # a re-run of a finished run trains nothing; its export still needs them
             self.predictions = predicted(engine, self.replica, "validation", spec, self.pad_id, self.device)[1]

@@ -16,7 +16,8 @@ from tasks.contracts.labels import Reading
 from tasks.contracts.promotion import check_champion_task, resolve
 from tasks.core import layout, storage
 from tasks.core.config import BatchInferParams, DataConfig, FinetuneParams, InferenceConfig, default_storage_root
-from tasks.core.data import SPLITS, Split, check_columns, expand_inputs, load_splits
+from tasks.core.data import SPLITS, Split, load_splits
+from tasks.core.files import check_columns, expand_inputs
 from tasks.core.layout import OutputFolder, RunStore, refuse_overlap
 from tasks.core.models import saved_model, training_model
 from tasks.core.storage import check_writable

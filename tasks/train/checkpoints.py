@@ -1,0 +1,148 @@
+"""A training worker's checkpoints: saved through Ray Train (every rank its DeepSpeed shards, the
+progress inside), resumed from the latest, the exported model (rank 0, straight into storage), and the
+CheckpointPolicy the loop (tasks/train/worker.py) asks when to validate, checkpoint and stop, and which
+step to export."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import ray
+import ray.train
+import torch
+import torch.distributed as dist
+from ray.train import Checkpoint
+
+from tasks.contracts.training import SCORE, STATE_FILE, UNVALIDATED, Curve, Kept, Result
+from tasks.core import storage
+from tasks.core.progress import say
+from tasks.core.train_config import TrainConfig
+from tasks.train.replica import Replica
+from tasks.train.spec import Progress, WorkerSpec
+
+
+def save(engine, progress: Progress, metrics: dict) -> None:
+    """Report a checkpoint from every rank: each writes its own ZeRO shards of the DeepSpeed engine
+    state and Ray gathers them into one checkpoint; the progress travels inside it."""
+    with tempfile.TemporaryDirectory() as folder:
+        engine.save_checkpoint(folder, tag="state", client_state={"progress": progress.model_dump()})
+        ray.train.report(metrics, checkpoint=Checkpoint.from_directory(folder))
+
+
+def resume(engine, channel: str | None) -> Progress:
+    """Load the latest checkpoint Ray Train holds for this run (after a worker failure, a task
+    retry or a re-run with the same run id) and return its progress, or the start of training."""
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is None:
+        return Progress()
+    with checkpoint.as_directory() as folder:
+        _, client_state = engine.load_checkpoint(folder, tag="state")
+    progress = Progress.model_validate(client_state["progress"])
+    if dist.get_rank() == 0 and channel is not None:
+        say(
+            channel,
+            logging.INFO,
+            f"rank 0: resumed from the checkpoint at step {engine.global_steps}: epoch {progress.epoch + 1}, "
+            f"micro-batch {progress.batches_done}",
+        )
+    return progress
+
+
+def export(replica: Replica, tokenizer, spec: WorkerSpec, result: Result) -> None:
+    """Rank 0 writes the consolidated HF model folder straight into the run's storage (the driver
+    never downloads checkpoint shards); where the parameters are split every rank joins the gather.
+    The weights are saved in fp32 whatever the training precision: a bf16 or fp16 engine's weights
+    saved as they are would load as a bf16/fp16 model by default, 2.4x slower on a CPU (bf16), and
+    evaluation and inference choose their own precision at load."""
+    model, weights = replica.exported()
+    if dist.get_rank() == 0:
+        weights = {
+            name: tensor.float() if tensor.is_floating_point() else tensor
+            for name, tensor in (weights or model.state_dict()).items()
+        }
+        config = copy.deepcopy(model.config)
+        config.dtype = torch.float32  # transformers takes the saved dtype from the module's parameters
+        if result.thresholds is not None:  # what inference decides each label by (tasks/core/predictor.py)
+            config.label_thresholds = result.thresholds
+        if spec.targets.pairs:  # inference reads pairs of texts, truncated as training's were
+            config.text_pair_truncation = spec.targets.pairs
+        with tempfile.TemporaryDirectory() as folder:
+            model.save_pretrained(folder, state_dict=weights)
+            config.save_pretrained(folder)
+            tokenizer.save_pretrained(folder)
+            Path(folder, STATE_FILE).write_text(result.model_dump_json())
+            storage.upload_dir(folder, spec.model_uri)
+    dist.barrier()
+
+
+@dataclass(frozen=True)
+class CheckpointPolicy:
+    """What the loop decides on its validations and checkpoints, from the config and the validation
+    curve (which every checkpoint holds, so a resumed run decides as an uninterrupted one): when a step
+    is validated and checkpointed, early stopping, and which step is exported (keep_best)."""
+
+    cfg: TrainConfig
+
+    def validates(self, step: int, last: bool) -> bool:
+        """Whether this optimizer step is validated (the epoch's last is, at the epoch's end)."""
+        every = self.cfg.eval_every_steps
+        return bool(every and step % every == 0 and not last)
+
+    def checkpoints(self, step: int, last: bool, validated: bool, curve: Curve) -> bool:
+        """Whether this step is checkpointed mid-epoch: on the config's schedule, and with keep_best at
+        every validation that scored better than every one before it."""
+        every = self.cfg.checkpoint_every_steps
+        scheduled = bool(every and step % every == 0 and not last)
+        return scheduled or (validated and self.cfg.keep_best and curve.evaluations_since_best(self.cfg.monitor) == 0)
+
+    def patience_spent(self, curve: Curve) -> bool:
+        """Early stopping's test, after an evaluation: early_stopping_patience evaluations in a row
+        without a better monitor value."""
+        patience = self.cfg.early_stopping_patience
+        return patience is not None and curve.evaluations_since_best(self.cfg.monitor) >= patience
+
+    def stop_reason(self, curve: Curve, step: int) -> str:
+        monitor = self.cfg.monitor
+        if self.patience_spent(curve):
+            best = curve.validation[-1 - curve.evaluations_since_best(monitor)]
+            return (
+                f"early stopping at step {step}: no better {monitor} in {self.cfg.early_stopping_patience} "
+                f"evaluation(s) than step {best.step}'s {best.value(monitor):.4f}"
+            )
+        if self.cfg.max_steps and step >= self.cfg.max_steps:
+            return f"max_steps={self.cfg.max_steps}"
+        return f"epochs={self.cfg.epochs}"
+
+    def reported(self, curve: Curve, step: int, position: float, validated: bool) -> dict:
+        """What a report to Ray Train says: where training is, and the validation there if it just ran."""
+        # evaluations: the clock of Ray Tune's ASHA, whose grace period counts them (tasks/sweep/)
+        metrics = {"epoch": position, "step": step, "evaluations": len(curve.validation), SCORE: UNVALIDATED}
+        if validated:
+            point = curve.validation[-1]
+            metrics |= {"val_loss": point.loss, SCORE: point.score(self.cfg.monitor)}
+            metrics |= {"val_accuracy": point.accuracy} if point.accuracy is not None else {}
+        return metrics
+
+    def kept(self, curve: Curve, step: int) -> tuple[Kept, Checkpoint | None]:
+        """The step to export, and its checkpoint where the engine must load it: with keep_best, the
+        one Ray Train ranks best (of equal monitor values the later); else the last step."""
+        monitor, validation = self.cfg.monitor, curve.validation
+        last = Kept(validation=validation[-1], reason="the last step (keep_best=false)")
+        if not self.cfg.keep_best:
+            return last, None
+        best = max(
+            ray.train.get_all_reported_checkpoints(),
+            key=lambda r: (r.metrics.get(SCORE, UNVALIDATED), r.metrics["step"]),
+        )
+        if best.metrics["step"] == step:
+            return last.model_copy(update={"reason": "the last step, also the best validated (keep_best)"}), None
+        point = next(point for point in validation if point.step == best.metrics["step"])
+        reason = (
+            f"the best validated (keep_best): {monitor} {point.value(monitor):.4f}, against "
+            f"{last.validation.value(monitor):.4f} at the last step, {last.step}"
+        )
+        return Kept(validation=point, reason=reason), best.checkpoint
