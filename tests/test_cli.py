@@ -7,6 +7,7 @@ import os
 import re
 import socket
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -286,6 +287,29 @@ def test_a_run_killed_then_run_again_resumes_on_a_quiet_console_then_its_champio
     assert "✓ batch inference: " in labelled.stdout and f"predictions: {tmp_path / 'labels'}" in labelled.stdout
     assert pq.read_table(tmp_path / "labels").num_rows == len(read_jsonl(small_data["test"]))
     assert asked() == 0
+
+
+def test_the_temporary_prefect_server_sends_no_telemetry_and_prints_nothing_on_the_terminal(tmp_path):
+    """Offline, the telemetry of a Prefect server with analytics on (Prefect's default: only `make` set
+    PREFECT_SERVER_ANALYTICS_ENABLED=false) was every command's first line, `ERROR | prefect.server.services.telemetry
+    - Failed to send telemetry`. The command's own server runs with analytics off whatever the environment
+    says, and what it prints (here its DEBUG records) goes to the command's log, as the rest of Prefect's."""
+    script = (
+        "import os, httpx; from flows.cli import flow_console\n"
+        "with flow_console(verbose=False) as (say, api_answering):\n"
+        "    api_answering()\n"
+        "    server = httpx.get(os.environ['PREFECT_API_URL'] + '/admin/settings').json()['server']\n"
+        "    say.result({'analytics': str(server['analytics_enabled'])})\n"
+    )
+    env = ftflow_env(
+        PREFECT_SERVER_ANALYTICS_ENABLED="true", PREFECT_LOGGING_SERVER_LEVEL="DEBUG", XDG_STATE_HOME=str(tmp_path)
+    )
+    shown = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert shown.stderr == "" and shown.stdout.split()[:2] == ["analytics:", "False"], shown.stdout + shown.stderr
+    [log] = (tmp_path / "ftflow" / "logs").iterdir()
+    assert shown.stdout.split()[2:] == ["logs:", str(log)] and "| DEBUG   | prefect.server" in log.read_text()
 
 
 def test_a_log_nothing_was_written_to_is_not_kept(tmp_path):
