@@ -24,7 +24,6 @@ from tasks.sweep.contract import SweepResult
 from tasks.tokenize.driver import TokenizeKey, checked_key
 from tasks.tokenize.task import tokenize
 from tasks.train.contract import Result
-from tasks.train.plan import check_parallelism
 from tasks.train.task import check_training_plan, train
 from tasks.validate.checks import RunInputs, run_inputs
 
@@ -85,7 +84,6 @@ def prepared(params: FinetuneParams, store: RunStore, took: Stopwatch) -> Prepar
     """Every check, then the tokenized splits (cached by content): what training starts from."""
     # Bad input stops here, before Ray (`ftflow run` checked it before Prefect started).
     inputs = run_inputs(params, store)
-    check_parallelism(params.train, params.model)
     key = checked_key(inputs.splits, params.model, params.storage_root)
     refuse_overlap([key.target], inputs.read(params))
     cluster.refuse_local_paths(

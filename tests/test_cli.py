@@ -21,6 +21,7 @@ from conftest import FTFLOW, fault_injected, free_port, read_jsonl, write_jsonl
 from rich.console import Console
 from test_flow import params
 from test_train import checkpoint_committed
+from tiny_model import tiny_model_files
 
 from flows import console
 from tasks.core.config import SHIPPED_DATA, BatchInferParams, FinetuneParams
@@ -111,6 +112,7 @@ def test_bad_input_is_one_line_and_exit_code_2(tmp_path, args, line):
         "unknown bucket",
         "unwritable folder",
         "no model",
+        "unsplittable model",
         "infer: no model",
         "infer: no champion",
         "infer: no input",
@@ -122,6 +124,7 @@ def test_data_model_and_storage_are_refused_before_anything_starts(tmp_path, s3_
     bad_labels = write_jsonl(tmp_path / "labels.jsonl", [{"text": "fine", "label": 1}, {"text": "odd", "label": 7}])
     write_jsonl(tmp_path / "empty.jsonl", [])
     (tmp_path / "corrupt.parquet").write_bytes(b"PAR1 not parquet at all")
+    deberta = tiny_model_files(tmp_path / "deberta", "deberta-v2")  # its config.json is all the refusal needs
     test = str(SHIPPED_DATA / "test.jsonl")
     args, line = {
         "missing file": (
@@ -152,6 +155,11 @@ def test_data_model_and_storage_are_refused_before_anything_starts(tmp_path, s3_
         "no model": (
             ["run", "--set", "model.name_or_path=/nonexistent/model"],
             "model.name_or_path /nonexistent/model: no such folder",
+        ),
+        "unsplittable model": (  # refused in the flow, once Prefect's server answered
+            ["run", "--set", f"model.name_or_path={deberta}", "--set", "train.tensor_parallel_size=2"],
+            f"train.tensor_parallel_size=2: {deberta} is a 'deberta-v2' model, and ftflow splits BERT-family "
+            "encoders only (bert, electra, roberta, xlm-roberta): set it to 1",
         ),
         "infer: no model": (
             ["infer", "/nonexistent/model", test, f"{tmp_path}/out"],
