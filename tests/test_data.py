@@ -236,6 +236,17 @@ def test_an_empty_split_of_several_files_names_them(tmp_path):
         load_split("train", [str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")], DataConfig())
 
 
+@pytest.mark.parametrize("split", ["train", "validation"])
+def test_a_csv_split_of_its_header_alone_is_refused_as_empty_naming_it(tmp_path, small_data, split):
+    """pandas reads a CSV of its header alone as a chunk of no rows, which was tallied as rows: `zero-size array
+    to reduction operation minimum which has no identity`, naming no file."""
+    header = tmp_path / f"{split}.csv"
+    header.write_text("text,label\n")
+    given = {f"{name}_uri": str(path) for name, path in small_data.items()} | {f"{split}_uri": str(header)}
+    with pytest.raises(DataError, match=f"^{header}: the {split} split is empty$"):
+        load_splits(DataConfig(**given))
+
+
 CORRUPT = {
     "jsonl": b'{"text": "cut short\n',
     "csv": b'text,label\n"unclosed,1\n',
