@@ -363,6 +363,7 @@ def test_bad_targets_name_the_file_and_problem(tmp_path, case):
         ({"task": "regression", "label_names": ["a", "b"]}, "label_names: regression predicts numbers"),
         ({"task": "multi_label"}, "label_names: multi_label needs its label names"),
         ({"label_names": ["only"]}, "label_names: give at least two classes"),
+        ({"label_names": []}, r"label_names: give at least two classes, got \[\]"),  # not the default's two
         ({"label_column": ["a", "b"]}, "label_column: several columns are regression's outputs"),
         ({"label_separator": ","}, "label_separator: only multi_label splits labels, not single_label"),
         ({"truncation": "only_second"}, "truncation: a single text has no side to choose; set text_pair_column"),

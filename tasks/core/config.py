@@ -105,7 +105,10 @@ class DataConfig(Strict):
                 "label_names: regression predicts numbers, named by data.label_column; leave it unset",
             ),
             (task == "multi_label" and not self.label_names, "label_names: multi_label needs its label names"),
-            (task == "single_label" and len(self.targets.names) < 2, "label_names: give at least two classes"),
+            (
+                task == "single_label" and len(self.targets.names) < 2,
+                f"label_names: give at least two classes, got {self.label_names}",
+            ),
             (
                 self.label_separator is not None and task != "multi_label",
                 f"label_separator: only multi_label splits labels, not {task}",
@@ -128,7 +131,9 @@ class DataConfig(Strict):
         if self.task == "regression":
             columns = [self.label_column] if isinstance(self.label_column, str) else self.label_column
             return Targets(task="regression", names=tuple(columns), pairs=pairs)
-        return Targets(task=self.task, names=tuple(self.label_names or SHIPPED_LABELS), pairs=pairs)
+        # unset, not empty: [] is falsy, and became the shipped reviews' classes without a word
+        names = SHIPPED_LABELS if self.label_names is None else self.label_names
+        return Targets(task=self.task, names=tuple(names), pairs=pairs)
 
 
 class ModelConfig(Strict):
