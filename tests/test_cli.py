@@ -24,6 +24,7 @@ from test_train import checkpoint_committed
 from tiny_model import tiny_model_files
 
 from flows import console
+from flows.params import value
 from tasks.core.config import SHIPPED_DATA, BatchInferParams, FinetuneParams
 from tasks.core.storage import read_json
 
@@ -100,6 +101,29 @@ def test_bad_input_is_one_line_and_exit_code_2(tmp_path, args, line):
     file.write_text("data:\n  train: reviews.jsonl\n")
     run = ftflow(*(arg.format(file=file) for arg in args))
     assert (run.returncode, run.stdout, run.stderr) == (2, "", line.format(file=file) + "\n")
+
+
+def test_a_set_value_yaml_reads_as_nothing_is_the_text_typed(tmp_path):
+    """`--set data.label_separator=|` was refused as "an empty separator splits nothing": YAML reads a lone
+    `|` as an empty block. What YAML reads as nothing but its own syntax is the text typed; quotes, brackets
+    and null say what they say."""
+    typed = ["|", ">", "-", "!!str", '""', "[]", "null", "3", "[a, b]"]
+    assert [value(text) for text in typed] == ["|", ">", "-", "!!str", "", [], None, 3, ["a", "b"]]
+    tags = write_jsonl(
+        tmp_path / "tags.jsonl", [{"text": "both", "label": "joy|anger"}, {"text": "one", "label": "joy"}]
+    )
+    # the data read with the separator |, then a model that is not there: refused before anything starts
+    settings = {f"data.{split}_uri": str(tags) for split in ("train", "validation", "test")} | {
+        "data.task": "multi_label",
+        "data.label_names": "[joy, anger]",
+        "data.label_separator": "|",
+        "model.name_or_path": "/nonexistent/model",
+    }
+    refused = ftflow("run", *(arg for name, text in settings.items() for arg in ("--set", f"{name}={text}")))
+    assert (refused.returncode, refused.stderr) == (
+        2,
+        "ftflow run: model.name_or_path /nonexistent/model: no such folder\n",
+    )
 
 
 @pytest.mark.parametrize(

@@ -114,7 +114,11 @@ class DataConfig(Strict):
                 self.label_separator is not None and task != "multi_label",
                 f"label_separator: only multi_label splits labels, not {task}",
             ),
-            (self.label_separator == "", "label_separator: an empty separator splits nothing"),
+            (
+                self.label_separator == "",
+                "label_separator: an empty separator splits nothing (in a YAML file, quote it: a bare | or > "
+                "starts an empty block)",
+            ),
             (
                 self.truncation != "longest_first" and self.text_pair_column is None,
                 "truncation: a single text has no side to choose; set text_pair_column",
