@@ -22,7 +22,6 @@ from tasks.promote.task import promote
 from tasks.report import DataRecord, Outputs, Results, Stopwatch, import_beside, publish_report, track, write_manifest
 from tasks.tokenize import TokenizeKey, checked_key
 from tasks.tokenize.task import tokenize
-from tasks.train import check_parallelism
 from tasks.train.task import check_training_plan, train
 from tasks.validate import RunInputs, run_inputs
 
@@ -81,7 +80,6 @@ def prepared(params: FinetuneParams, store: RunStore, took: Stopwatch) -> Prepar
     """Every check, then the tokenized splits (cached by content): what training starts from."""
     # Bad input stops here, before Ray (`ftflow run` checked it before Prefect started).
     inputs = run_inputs(params, store)
-    check_parallelism(params.train, params.model)
     key = checked_key(inputs.splits, params.model, params.storage_root)
     refuse_overlap([key.target], inputs.read(params))
     cluster.refuse_local_paths(

@@ -22,7 +22,8 @@ import inspect
 import json
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, NoReturn
 
@@ -100,12 +101,7 @@ def launched(flow_name: str, params: FinetuneParams, verbose: bool) -> None:
     from tasks.validate import run_inputs
 
     run_inputs(params, RunStore(params.storage_root, params.run_id) if params.run_id else None)
-    import prefect.main  # noqa: F401 -- Prefect sets its logging up at this import: before the console takes its loggers over
-
-    from ftflow.temporary_api import temporary_api
-
-    api_answering = temporary_api()
-    with console.session(verbose) as say:
+    with flow_console(verbose) as (say, api_answering):
         # Prefect and the ML stack load only once the input is good
         flow = getattr(importlib.import_module(f"flows.{flow_name}"), flow_name)
         api_answering()
@@ -119,6 +115,20 @@ def launched(flow_name: str, params: FinetuneParams, verbose: bool) -> None:
                 "report": summary.report,
             }
         )
+
+
+@contextmanager
+def flow_console(verbose: bool) -> Iterator[tuple[console.Say, Callable[[], None]]]:
+    """The console's session (flows/console.py) and, inside it, Prefect's temporary server where no API
+    is given; yields the console and a callable that waits until the server answers. Started inside
+    the session, the server prints into the command's log with the rest of Prefect: started before it,
+    the server wrote its records (an offline telemetry attempt's ERROR) on the user's terminal."""
+    import prefect.main  # noqa: F401 -- Prefect sets its logging up at this import: before the console takes its loggers over
+
+    from ftflow.temporary_api import temporary_api
+
+    with console.session(verbose) as say:
+        yield say, temporary_api()
 
 
 @app.command()
@@ -202,12 +212,7 @@ def infer(
     from tasks.validate import batch_infer_inputs  # the flow's own checks, before anything starts
 
     batch_infer_inputs(params)
-    import prefect.main  # noqa: F401 -- as in run
-
-    from ftflow.temporary_api import temporary_api
-
-    api_answering = temporary_api()
-    with console.session(verbose) as say:
+    with flow_console(verbose) as (say, api_answering):
         from flows.batch_infer import batch_infer  # Prefect and the ML stack load only now
 
         api_answering()

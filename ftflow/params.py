@@ -64,12 +64,28 @@ def as_yaml(model: type[BaseModel]) -> str:
 
 
 def value(text: str) -> Any:
-    """A --set or option value as YAML reads it: 3 -> int, 1e-4 -> float, [a, b] -> list, null -> None."""
+    """A --set or option value as YAML reads it: 3 -> int, 1e-4 -> float, [a, b] -> list, null -> None;
+    the text as typed where YAML reads nothing from it but its own syntax (read_nothing): `|` alone
+    is an empty block to YAML, and `--set data.label_separator=|` was refused as an empty separator."""
     try:
         parsed = yaml.safe_load(text)
     except yaml.YAMLError:
         return text
-    return text if parsed is None and text.strip() not in ("null", "~", "None") else parsed
+    if parsed is None:
+        return None if text.strip() in ("null", "~", "None") else text
+    return text if read_nothing(text, parsed) else parsed
+
+
+def read_nothing(text: str, parsed: Any) -> bool:
+    """YAML made an empty string, or a list or mapping of nulls alone, of a text not quoted or
+    bracketed: a block's `|` or `>`, a tag's `!!str`, a list's `-`, a key's `?`."""
+    if text.strip()[:1] in ("'", '"', "[", "{"):
+        return False  # '' and [null] say what they mean
+    if isinstance(parsed, dict):
+        parsed = [*parsed, *parsed.values()]
+    if isinstance(parsed, list):
+        return all(item is None for item in parsed)
+    return parsed == ""
 
 
 def assigned(params: dict, assignment: str) -> dict:

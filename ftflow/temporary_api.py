@@ -30,8 +30,15 @@ from prefect.settings import (
     get_current_settings,
 )
 
-# The environment Prefect gives its temporary server (SubprocessASGIServer._run_uvicorn_command).
-SERVER_ENV = {"PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
+# The environment Prefect gives its temporary server (SubprocessASGIServer._run_uvicorn_command), over
+# the user's settings, and analytics off: Prefect's default sends telemetry, which on a machine without
+# internet logged `ERROR | prefect.server.services.telemetry - Failed to send telemetry` in every command.
+SERVER_ENV = {
+    "PREFECT_UI_ENABLED": "0",
+    "PREFECT__SERVER_EPHEMERAL": "1",
+    "PREFECT__SERVER_FINAL": "1",
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+}
 
 
 def wait_until_answering(url: str, process: subprocess.Popen) -> None:
@@ -58,7 +65,7 @@ def started(port: int) -> subprocess.Popen:
         [sys.executable, "-m", "uvicorn", "--app-dir", str(app_dir), "--factory"]
         + ["prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port", str(port)]
         + ["--log-level", "error", "--lifespan", "on"],
-        env=os.environ | SERVER_ENV | get_current_settings().to_environment_variables(exclude_unset=True),
+        env=os.environ | get_current_settings().to_environment_variables(exclude_unset=True) | SERVER_ENV,
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import subprocess
@@ -15,14 +16,19 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from conftest import BATCH_INFER, run_batch_infer, session_prefect, write_jsonl
+from prefect import flow
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, LogFilter, LogFilterFlowRunId
 
+from tasks.contracts.labels import Labelled
+from tasks.contracts.training import Curve, Predictions, Result
 from tasks.core import cluster, layout, progress, storage
-from tasks.core.data import DataError
+from tasks.core.config import DataConfig, InferenceConfig
+from tasks.core.data import DataError, load_split
 from tasks.core.files import iter_frames
 from tasks.core.layout import MARKER
 from tasks.infer import driver as infer
+from tasks.infer.task import write_test_labels
 from tasks.infer.worker import Counts
 
 
@@ -83,6 +89,34 @@ def test_every_row_of_every_file_gets_one_prediction(ray_cluster, tiny_model, co
         str(p): storage.fingerprint(str(p))
         for p in (corpus / "a.jsonl", corpus / "c.parquet", corpus / "sub" / "b.csv.gz")
     }
+
+
+def test_the_test_split_of_a_regression_model_is_written_as_scores_not_labels(task_data, tmp_path, caplog):
+    """The finetune flow's batch inference of the test split writes what evaluation predicted: a regression
+    model's numbers, which its line called labels ("wrote the 128 test rows' labels")."""
+    data = DataConfig(**task_data["regression"])
+    test = load_split("test", data.test_uri, data)
+    numbers = [[1.0, 0.5, 0.25]] * test.total_rows
+    training = Result(
+        history=[],
+        curve=Curve(),
+        validation=Predictions(),
+        nodes=[],
+        test=Predictions.of("regression", numbers, numbers),
+    )
+    (model := tmp_path / "model").mkdir()
+    inference = InferenceConfig(input_uri=list(test.uris), text_column="text")
+
+    @flow
+    def labelled_test_split() -> Labelled:  # the task as the finetune flow runs it
+        return write_test_labels(training, test, str(model), inference, str(tmp_path / "predictions"))
+
+    with caplog.at_level(logging.INFO, logger="prefect.task_runs"):
+        written = labelled_test_split()
+    [line] = [record.getMessage() for record in caplog.records if record.getMessage().startswith("wrote ")]
+    assert re.fullmatch(r"wrote the 128 test rows' scores, as evaluation predicted them, in \d+\.\d s", line), line
+    columns = pq.read_table(tmp_path / "predictions").column_names
+    assert written.rows == 128 and columns[-3:] == ["stars", "words", "letters"], "a score per output"
 
 
 def test_the_total_is_estimated_from_the_bytes_of_the_parts_done():

@@ -7,6 +7,7 @@ import os
 import re
 import socket
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -20,8 +21,10 @@ from conftest import FTFLOW, fault_injected, free_port, read_jsonl, write_jsonl
 from rich.console import Console
 from test_flow import params
 from test_train import checkpoint_committed
+from tiny_model import tiny_model_files
 
 from ftflow import console
+from ftflow.params import value
 from tasks.core.config import SHIPPED_DATA, BatchInferParams, FinetuneParams
 from tasks.core.storage import read_json
 
@@ -100,6 +103,29 @@ def test_bad_input_is_one_line_and_exit_code_2(tmp_path, args, line):
     assert (run.returncode, run.stdout, run.stderr) == (2, "", line.format(file=file) + "\n")
 
 
+def test_a_set_value_yaml_reads_as_nothing_is_the_text_typed(tmp_path):
+    """`--set data.label_separator=|` was refused as "an empty separator splits nothing": YAML reads a lone
+    `|` as an empty block. What YAML reads as nothing but its own syntax is the text typed; quotes, brackets
+    and null say what they say."""
+    typed = ["|", ">", "-", "!!str", '""', "[]", "null", "3", "[a, b]"]
+    assert [value(text) for text in typed] == ["|", ">", "-", "!!str", "", [], None, 3, ["a", "b"]]
+    tags = write_jsonl(
+        tmp_path / "tags.jsonl", [{"text": "both", "label": "joy|anger"}, {"text": "one", "label": "joy"}]
+    )
+    # the data read with the separator |, then a model that is not there: refused before anything starts
+    settings = {f"data.{split}_uri": str(tags) for split in ("train", "validation", "test")} | {
+        "data.task": "multi_label",
+        "data.label_names": "[joy, anger]",
+        "data.label_separator": "|",
+        "model.name_or_path": "/nonexistent/model",
+    }
+    refused = ftflow("run", *(arg for name, text in settings.items() for arg in ("--set", f"{name}={text}")))
+    assert (refused.returncode, refused.stderr) == (
+        2,
+        "ftflow run: model.name_or_path /nonexistent/model: no such folder\n",
+    )
+
+
 @pytest.mark.parametrize(
     "case",
     [
@@ -110,6 +136,7 @@ def test_bad_input_is_one_line_and_exit_code_2(tmp_path, args, line):
         "unknown bucket",
         "unwritable folder",
         "no model",
+        "unsplittable model",
         "infer: no model",
         "infer: no champion",
         "infer: no input",
@@ -121,6 +148,7 @@ def test_data_model_and_storage_are_refused_before_anything_starts(tmp_path, s3_
     bad_labels = write_jsonl(tmp_path / "labels.jsonl", [{"text": "fine", "label": 1}, {"text": "odd", "label": 7}])
     write_jsonl(tmp_path / "empty.jsonl", [])
     (tmp_path / "corrupt.parquet").write_bytes(b"PAR1 not parquet at all")
+    deberta = tiny_model_files(tmp_path / "deberta", "deberta-v2")  # its config.json is all the refusal needs
     test = str(SHIPPED_DATA / "test.jsonl")
     args, line = {
         "missing file": (
@@ -151,6 +179,11 @@ def test_data_model_and_storage_are_refused_before_anything_starts(tmp_path, s3_
         "no model": (
             ["run", "--set", "model.name_or_path=/nonexistent/model"],
             "model.name_or_path /nonexistent/model: no such folder",
+        ),
+        "unsplittable model": (  # refused in the flow, once Prefect's server answered
+            ["run", "--set", f"model.name_or_path={deberta}", "--set", "train.tensor_parallel_size=2"],
+            f"train.tensor_parallel_size=2: {deberta} is a 'deberta-v2' model, and ftflow splits BERT-family "
+            "encoders only (bert, electra, roberta, xlm-roberta): set it to 1",
         ),
         "infer: no model": (
             ["infer", "/nonexistent/model", test, f"{tmp_path}/out"],
@@ -286,6 +319,29 @@ def test_a_run_killed_then_run_again_resumes_on_a_quiet_console_then_its_champio
     assert "✓ batch inference: " in labelled.stdout and f"predictions: {tmp_path / 'labels'}" in labelled.stdout
     assert pq.read_table(tmp_path / "labels").num_rows == len(read_jsonl(small_data["test"]))
     assert asked() == 0
+
+
+def test_the_temporary_prefect_server_sends_no_telemetry_and_prints_nothing_on_the_terminal(tmp_path):
+    """Offline, the telemetry of a Prefect server with analytics on (Prefect's default: only `make` set
+    PREFECT_SERVER_ANALYTICS_ENABLED=false) was every command's first line, `ERROR | prefect.server.services.telemetry
+    - Failed to send telemetry`. The command's own server runs with analytics off whatever the environment
+    says, and what it prints (here its DEBUG records) goes to the command's log, as the rest of Prefect's."""
+    script = (
+        "import os, httpx; from ftflow.cli import flow_console\n"
+        "with flow_console(verbose=False) as (say, api_answering):\n"
+        "    api_answering()\n"
+        "    server = httpx.get(os.environ['PREFECT_API_URL'] + '/admin/settings').json()['server']\n"
+        "    say.result({'analytics': str(server['analytics_enabled'])})\n"
+    )
+    env = ftflow_env(
+        PREFECT_SERVER_ANALYTICS_ENABLED="true", PREFECT_LOGGING_SERVER_LEVEL="DEBUG", XDG_STATE_HOME=str(tmp_path)
+    )
+    shown = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert shown.stderr == "" and shown.stdout.split()[:2] == ["analytics:", "False"], shown.stdout + shown.stderr
+    [log] = (tmp_path / "ftflow" / "logs").iterdir()
+    assert shown.stdout.split()[2:] == ["logs:", str(log)] and "| DEBUG   | prefect.server" in log.read_text()
 
 
 def test_a_log_nothing_was_written_to_is_not_kept(tmp_path):

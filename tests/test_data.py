@@ -229,6 +229,17 @@ def test_an_empty_split_of_several_files_names_them(tmp_path):
         load_split("train", [str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")], DataConfig())
 
 
+@pytest.mark.parametrize("split", ["train", "validation"])
+def test_a_csv_split_of_its_header_alone_is_refused_as_empty_naming_it(tmp_path, small_data, split):
+    """pandas reads a CSV of its header alone as a chunk of no rows, which was tallied as rows: `zero-size array
+    to reduction operation minimum which has no identity`, naming no file."""
+    header = tmp_path / f"{split}.csv"
+    header.write_text("text,label\n")
+    given = {f"{name}_uri": str(path) for name, path in small_data.items()} | {f"{split}_uri": str(header)}
+    with pytest.raises(DataError, match=f"^{header}: the {split} split is empty$"):
+        load_splits(DataConfig(**given))
+
+
 CORRUPT = {
     "jsonl": b'{"text": "cut short\n',
     "csv": b'text,label\n"unclosed,1\n',
@@ -345,6 +356,7 @@ def test_bad_targets_name_the_file_and_problem(tmp_path, case):
         ({"task": "regression", "label_names": ["a", "b"]}, "label_names: regression predicts numbers"),
         ({"task": "multi_label"}, "label_names: multi_label needs its label names"),
         ({"label_names": ["only"]}, "label_names: give at least two classes"),
+        ({"label_names": []}, r"label_names: give at least two classes, got \[\]"),  # not the default's two
         ({"label_column": ["a", "b"]}, "label_column: several columns are regression's outputs"),
         ({"label_separator": ","}, "label_separator: only multi_label splits labels, not single_label"),
         ({"truncation": "only_second"}, "truncation: a single text has no side to choose; set text_pair_column"),

@@ -23,6 +23,7 @@ from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, Fl
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from flows.finetune import finetune
+from ftflow.params import BadInput, parameters
 from tasks.contracts.metrics import Metrics
 from tasks.contracts.promotion import resolve
 from tasks.contracts.training import Curve, EpochRecord, Predictions, Result
@@ -165,6 +166,29 @@ def artifacts_of(flow_run_id, key: str) -> list[str]:
             flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])),
         )
     return [artifact.data for artifact in found]
+
+
+@pytest.mark.parametrize(
+    ("given", "line"),
+    [
+        (["promotion.min_score=1.5"], "promotion.min_score: 1.5 is outside accuracy's range [0, 1]"),
+        (
+            ["data.task=regression", "promotion.metric=pearson", "promotion.min_score=-2"],
+            "promotion.min_score: -2 is outside pearson's range [-1, 1]",
+        ),
+        (
+            ["data.task=regression", "promotion.min_score=-0.1"],
+            "promotion.min_score: -0.1 is outside mse's range [0, inf)",
+        ),
+    ],
+)
+def test_a_floor_outside_the_metrics_range_is_refused_with_the_parameters(given, line):
+    """A floor no score can be on (accuracy 1.5) ran the whole job to "not promoted"; its edges are scores."""
+    with pytest.raises(BadInput) as refused:
+        parameters(FinetuneParams, None, given)
+    assert str(refused.value) == line
+    for edge in ("0", "1"):
+        assert parameters(FinetuneParams, None, [f"promotion.min_score={edge}"]).promotion.min_score == float(edge)
 
 
 def test_an_unknown_champion_is_refused_with_where_it_was_looked_for(tmp_path):

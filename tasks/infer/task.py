@@ -19,6 +19,8 @@ from tasks.prefect_side.retries import RETRY_TRANSIENT
 
 # The stage's progress artifact in the UI: key, description.
 PROGRESS = ("batch-inference-progress", "Batch inference: % of the rows labelled (estimated until every part is read)")
+# What batch inference writes of a row, in words, by task: a regression model's are numbers, not labels.
+WRITTEN = {"single_label": "labels", "multi_label": "labels", "regression": "scores"}
 
 
 @task(**RETRY_TRANSIENT)
@@ -36,13 +38,14 @@ def predict_files(model_uri: str, cfg: InferenceConfig, output_uri: str, ray_add
 def write_test_labels(training: Result, test: Split, model_uri: str, cfg: InferenceConfig, output_uri: str) -> Labelled:
     """Batch inference of the test split, whose rows the trained engine labelled for evaluation: those
     labels, written as predict_files writes the model's (no model is loaded again)."""
+    written = WRITTEN[test.schema.task]
     with Tracked(*PROGRESS) as progress:
         result = from_predictions(training.test, training.thresholds, test, model_uri, cfg, output_uri)
         progress.info(
-            "wrote the %d test rows' labels, as evaluation predicted them, in %.1f s", result.rows, result.seconds
+            "wrote the %d test rows' %s, as evaluation predicted them, in %.1f s", result.rows, written, result.seconds
         )
     throughput_artifact(
-        result, f"{model_uri}'s labels of the test split, as evaluation predicted them, in {output_uri}"
+        result, f"{model_uri}'s {written} of the test split, as evaluation predicted them, in {output_uri}"
     )
     return result
 

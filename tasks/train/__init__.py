@@ -13,7 +13,6 @@ import importlib
 
 INTERFACE = {
     "trained": "driver",  # one training run, on the cluster this process is connected to
-    "check_parallelism": "plan",  # tensor and pipeline sizes against the model's config.json
     "plan_of": "plan",
     "deepspeed_config": "deepspeed_json",
     "Trainer": "trainer",

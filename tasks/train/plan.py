@@ -8,17 +8,11 @@ from pathlib import Path
 from tasks.contracts.training import Choice
 from tasks.core import cluster
 from tasks.core.config import ModelConfig
-from tasks.core.first_token import FIRST_TOKEN_CLASSIFIERS
-from tasks.core.models import model_config
+from tasks.core.models import check_parallelism
 from tasks.core.targets import Targets
 from tasks.core.train_config import TrainConfig
 from tasks.train import strategy
 from tasks.train.spec import Plan
-
-# Models AutoTP splits as ftflow has seen it train and export (tests/test_train.py): BERT's layer
-# and its copies, with query, key, value and the intermediate split by columns, the attention output
-# and the output by rows. The pooler and the classifier stay whole on every worker.
-SPLITTABLE = FIRST_TOKEN_CLASSIFIERS
 
 
 def cpu_has_native_bf16() -> bool:
@@ -35,26 +29,6 @@ def worker_cpus(cfg: TrainConfig, resources: cluster.Resources, use_gpu: bool) -
     if cfg.cpus_per_worker or use_gpu or resources.can_grow or resources.node_cpus < resources.cpus:
         return cfg.cpus_per_worker or 1
     return max(1, int(min(resources.cpus, resources.node_cpus) // (cfg.num_workers or cfg.model_parallel)))
-
-
-def check_parallelism(cfg: TrainConfig, model: ModelConfig) -> None:
-    """Refuse a split that the model cannot take, saying what to change, before any cluster work."""
-    if cfg.model_parallel == 1:
-        return
-    name, size = cfg.split_field, cfg.model_parallel
-    config = model_config(model.name_or_path)
-    if config.get("model_type") not in SPLITTABLE:
-        raise ValueError(
-            f"train.{name}={size}: {model.name_or_path} is a '{config.get('model_type')}' model, and ftflow "
-            f"splits BERT-family encoders only ({', '.join(sorted(SPLITTABLE))}): set it to 1"
-        )
-    fields = ("num_attention_heads", "intermediate_size") if name == "tensor_parallel_size" else ("num_hidden_layers",)
-    for field in fields:
-        if config[field] % size:
-            raise ValueError(
-                f"train.{name}={size} does not divide the model's {field}={config[field]}: "
-                f"use a divisor of {config[field]}"
-            )
 
 
 def plan_of(cfg: TrainConfig, resources: cluster.Resources) -> Plan:

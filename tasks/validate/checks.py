@@ -19,7 +19,7 @@ from tasks.core.config import BatchInferParams, DataConfig, FinetuneParams, Infe
 from tasks.core.data import SPLITS, Split, load_splits
 from tasks.core.files import check_columns, expand_inputs
 from tasks.core.layout import OutputFolder, RunStore, refuse_overlap
-from tasks.core.models import saved_model, training_model
+from tasks.core.models import check_parallelism, saved_model, training_model
 from tasks.core.storage import check_writable
 
 
@@ -66,10 +66,12 @@ class RunInputs:
 
 
 def run_inputs(params: FinetuneParams, store: RunStore | None) -> RunInputs:
-    """Every check of a finetune run that needs no cluster: the splits (every row), the model, the
-    files to label, the storage root, and, once the run's id is known, its folder."""
+    """Every check of a finetune run that needs no cluster: the splits (every row), the model and the
+    split of it train asks for, the files to label, the storage root, and, once the run's id is known,
+    its folder."""
     splits = splits_of(params.data)
     training_model(params.model.name_or_path)
+    check_parallelism(params.train, params.model)  # in the flow, this came after Prefect's server: 5-11 s
     inference = params.inference.model_copy(
         update={
             "input_uri": params.inference.input_uri or list(splits["test"].uris),
