@@ -119,7 +119,7 @@ def launched(flow_name: str, params: FinetuneParams, verbose: bool) -> None:
 
 @contextmanager
 def flow_console(verbose: bool) -> Iterator[tuple[console.Say, Callable[[], None]]]:
-    """The console's session (flows/console.py) and, inside it, Prefect's temporary server where no API
+    """The console's session (ftflow/console.py) and, inside it, Prefect's temporary server where no API
     is given; yields the console and a callable that waits until the server answers. Started inside
     the session, the server prints into the command's log with the rest of Prefect: started before it,
     the server wrote its records (an offline telemetry attempt's ERROR) on the user's terminal."""
