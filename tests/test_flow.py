@@ -298,7 +298,8 @@ def test_a_flow_run_that_fails_mid_training_is_retried_and_resumes_in_the_same_r
 
 def test_training_past_its_timeout_fails_and_frees_the_cluster(ray_cluster, tiny_model, small_data, tmp_path):
     run_params = params(tiny_model, small_data, str(tmp_path / "store"))
-    run_params.train = run_params.train.model_copy(update={"timeout_s": 15})
+    # 100 epochs: on a fast machine the usual run (4 epochs, 256 steps) ended within the timeout
+    run_params.train = run_params.train.model_copy(update={"timeout_s": 15, "epochs": 100, "max_steps": None})
     started = time.monotonic()
     with pytest.raises(TimeoutError, match="timed out after 15"):
         finetune(run_params)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from functools import partial
 
 import ray
@@ -39,7 +40,7 @@ from tasks.train.entry import train_worker
 from tasks.train.ingest import data_config, rows_in, split
 from tasks.train.plan import cpu_has_native_bf16, planned
 from tasks.train.spec import EvaluationSplit, Plan, WorkerSpec
-from tasks.train.trainer import RUN_NAME, Trainer, worker_exception
+from tasks.train.trainer import RUN_NAME, Trainer, stop_controller, worker_exception
 from tasks.train.watch import FailureRelay, Watchdog
 
 # glibc raises its mmap threshold to 32 MiB after the first large free, so tensors up to that size
@@ -70,7 +71,7 @@ def trained(logger: logging.Logger, job: TrainingJob, callbacks: tuple[UserCallb
     with relayed(logger, Watchdog(logger, job.store.stall, cfg.stall_warning_s)) as channel:
         trainer = build_trainer(spec, channel, train_rows.random_shuffle(seed=cfg.seed), job.store, callbacks)
         ray_train_settings(cfg)
-        run(trainer, spec)
+        run(trainer, spec, job.store.train_dir)
     result = Result.model_validate(storage.read_json(storage.join(job.store.model_dir, STATE_FILE)))
     warn_spread_groups(logger, result, cfg.tensor_parallel_size)
     log_history(logger, result)
@@ -179,11 +180,32 @@ def ray_train_settings(cfg: TrainConfig) -> None:
     os.environ[ENABLE_PREEMPTION_WATCHER_ENV_VAR] = "0" if cluster.local_ray() else "1"
 
 
-def run(trainer: Trainer, spec: WorkerSpec) -> None:
-    """trainer.fit(), its failures in the words of what failed: the worker's own exception, or the
+def run(trainer: Trainer, spec: WorkerSpec, train_dir: str) -> None:
+    """trainer.fit(); interrupted (train.timeout_s, Ctrl-C), the run stops with it.
+
+    fit() runs in a thread of its own and this one waits on it, a second at a time: Ray's `ray.get`,
+    which fit() blocks in until training ends, runs a signal's handler but lets no exception it raises
+    through, so Prefect's timeout ended a 15 s-limited run only when its 140 s of training were done.
+    Prefect's timeout is an alarm in the main thread, and elsewhere an exception set on the thread,
+    which is raised only when the thread runs Python: this loop does, every second. Interrupted, the
+    run's controller is ended, and its workers with it."""
+    fitting = ThreadPoolExecutor(1, thread_name_prefix="ray-train-fit")
+    fit = fitting.submit(trainer.fit)
+    try:
+        while not fit.done():
+            wait([fit], timeout=1)
+        fitted(fit, spec)
+    finally:
+        if not fit.done():
+            stop_controller(train_dir)
+        fitting.shutdown(wait=False)
+
+
+def fitted(fit: Future, spec: WorkerSpec) -> None:
+    """fit()'s end, its failures in the words of what failed: the worker's own exception, or the
     cluster that made no room for the workers."""
     try:
-        trainer.fit()
+        fit.result()
     except WorkerGroupError as error:  # the last attempt failed: the worker's own exception, not Ray's wrapper
         raise worker_exception(error) from None
     except ControllerError as error:

@@ -1,8 +1,12 @@
 """Ray Train's TorchTrainer as ftflow runs it: without the placement-group cleaner on the local Ray,
-and a failed worker group's error as the worker's own exception."""
+its controller noted so that a run can be stopped from outside it, and a failed worker group's error
+as the worker's own exception."""
 
 from __future__ import annotations
 
+import json
+import os
+import signal
 import time
 
 import ray
@@ -49,21 +53,43 @@ class Trainer(TorchTrainer):
 
     def _create_default_callbacks(self) -> list:
         callbacks = super()._create_default_callbacks()
-        if not cluster.local_ray():
-            return callbacks
-        kept = [callback for callback in callbacks if not isinstance(callback, PlacementGroupCleanerCallback)]
-        return [*kept, ControllerNote(f"{self.run_config.storage_path}/{self.run_config.name}")]
+        if cluster.local_ray():
+            callbacks = [callback for callback in callbacks if not isinstance(callback, PlacementGroupCleanerCallback)]
+        return [*callbacks, ControllerNote(f"{self.run_config.storage_path}/{self.run_config.name}")]
 
 
 class ControllerNote(ControllerCallback):
-    """Notes the training controller's actor id under the run's storage path, in Ray's key-value store
-    (in the controller's own process: Ray's internal callback API)."""
+    """Notes the training controller's actor id and process under the run's storage path, in Ray's
+    key-value store (in the controller's own process: Ray's internal callback API). Ray Train places
+    the controller on the driver's node, so the driver can end that process (stop_controller)."""
 
     def __init__(self, run: str):
         self.run = run
 
     def after_controller_start(self, train_run_context) -> None:
-        internal_kv._internal_kv_put(self.run, ray.get_runtime_context().get_actor_id(), namespace=CONTROLLERS)
+        note = {"actor": ray.get_runtime_context().get_actor_id(), "pid": os.getpid()}
+        internal_kv._internal_kv_put(self.run, json.dumps(note), namespace=CONTROLLERS)
+
+
+def noted_controller(train_dir: str) -> dict | None:
+    """The run's controller as ControllerNote noted it: its actor id and process id."""
+    storage_path, _ = storage.pyarrow_filesystem(train_dir)
+    noted = internal_kv._internal_kv_get(f"{storage_path}/{RUN_NAME}", namespace=CONTROLLERS)
+    return None if noted is None else json.loads(noted)
+
+
+def stop_controller(train_dir: str) -> None:
+    """End a run's controller from its driver (a timeout, Ctrl-C): its worker actors, which it owns,
+    end with it, and the placement group it reserved is released. Ray Train 2.60 offers no abort but
+    on SIGINT in the driver's main thread, which Ray's `ray.get` does not let through (see driver.run)."""
+    note = noted_controller(train_dir)
+    if note is None:
+        return
+    try:
+        os.kill(note["pid"], signal.SIGKILL)
+    except ProcessLookupError:  # it had ended
+        pass
+    release_placement_groups(train_dir)
 
 
 def release_placement_groups(train_dir: str) -> None:
@@ -72,11 +98,10 @@ def release_placement_groups(train_dir: str) -> None:
     group last noted: a worker failure just before a sweep trial was stopped made its controller
     reserve a new group and die before it could say so; the group then held the CPUs the next trial
     waited for, for good."""
-    storage_path, _ = storage.pyarrow_filesystem(train_dir)
-    noted = internal_kv._internal_kv_get(f"{storage_path}/{RUN_NAME}", namespace=CONTROLLERS)
-    if noted is None:
+    note = noted_controller(train_dir)
+    if note is None:
         return
-    controller = noted.decode()
+    controller = note["actor"]
     deadline = time.monotonic() + CONTROLLER_END_S
     while state.actors(actor_id=controller).get("State") != "DEAD" and time.monotonic() < deadline:
         time.sleep(POLL_S)
