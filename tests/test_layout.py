@@ -6,6 +6,7 @@ package interface (`from tasks.train import trained`); flows/; deployments/; the
 from __future__ import annotations
 
 import ast
+import importlib
 import subprocess
 import sys
 from pathlib import Path
@@ -107,6 +108,14 @@ def test_the_floors_are_held():
     }
     for path, source in accepted.items():
         assert not crossings(ROOT / path, source), f"{path}: {source}"
+
+
+def test_every_name_a_stage_interface_gives_is_there():
+    """A package interface names what it gives in __all__ (tasks/train's loads each when first used)."""
+    for path in sorted(TASKS.glob("*/__init__.py")):
+        package = importlib.import_module(module(path))
+        for name in getattr(package, "__all__", []):
+            assert getattr(package, name) is not None, f"{package.__name__}.{name}"
 
 
 def test_functions_and_modules_stay_short():
