@@ -21,7 +21,7 @@ from conftest import FTFLOW, fault_injected, free_port, read_jsonl, write_jsonl
 from rich.console import Console
 from test_flow import params
 from test_train import checkpoint_committed
-from tiny_model import tiny_model_files
+from tiny_model import tiny_model_files, tiny_random_model
 
 from ftflow import console
 from ftflow.params import value
@@ -137,6 +137,7 @@ def test_a_set_value_yaml_reads_as_nothing_is_the_text_typed(tmp_path):
         "unwritable folder",
         "no model",
         "unsplittable model",
+        "no weights",
         "infer: no model",
         "infer: no champion",
         "infer: no input",
@@ -148,7 +149,8 @@ def test_data_model_and_storage_are_refused_before_anything_starts(tmp_path, s3_
     bad_labels = write_jsonl(tmp_path / "labels.jsonl", [{"text": "fine", "label": 1}, {"text": "odd", "label": 7}])
     write_jsonl(tmp_path / "empty.jsonl", [])
     (tmp_path / "corrupt.parquet").write_bytes(b"PAR1 not parquet at all")
-    deberta = tiny_model_files(tmp_path / "deberta", "deberta-v2")  # its config.json is all the refusal needs
+    deberta = tiny_random_model(tmp_path / "deberta", "deberta-v2")
+    unweighted = tiny_model_files(tmp_path / "unweighted", "bert")
     test = str(SHIPPED_DATA / "test.jsonl")
     args, line = {
         "missing file": (
@@ -184,6 +186,11 @@ def test_data_model_and_storage_are_refused_before_anything_starts(tmp_path, s3_
             ["run", "--set", f"model.name_or_path={deberta}", "--set", "train.tensor_parallel_size=2"],
             f"train.tensor_parallel_size=2: {deberta} is a 'deberta-v2' model, and ftflow splits BERT-family "
             "encoders only (bert, electra, roberta, xlm-roberta): set it to 1",
+        ),
+        "no weights": (
+            ["run", "--set", f"model.name_or_path={unweighted}"],
+            f"model.name_or_path {unweighted}: a folder without weights (none of model.safetensors, "
+            "model.safetensors.index.json, pytorch_model.bin, pytorch_model.bin.index.json)",
         ),
         "infer: no model": (
             ["infer", "/nonexistent/model", test, f"{tmp_path}/out"],

@@ -196,6 +196,7 @@ def test_tensor_parallel_groups_take_the_workers_in_whole_groups():
 )
 def test_a_model_the_split_does_not_fit_is_refused_before_the_cluster(model_config, split, message, tmp_path):
     model_config.save_pretrained(tmp_path)  # the config is all the check reads
+    (tmp_path / "model.safetensors").touch()  # and a folder without weights is no model (tasks/core/models.py)
     with pytest.raises(ValueError, match=message):
         check_parallelism(TrainConfig(**split), ModelConfig(name_or_path=str(tmp_path)))
 

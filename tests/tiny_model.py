@@ -12,7 +12,13 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer
-from transformers import AutoConfig, BertForSequenceClassification, PretrainedConfig, PreTrainedTokenizerFast
+from transformers import (
+    AutoConfig,
+    AutoModelForSequenceClassification,
+    BertForSequenceClassification,
+    PretrainedConfig,
+    PreTrainedTokenizerFast,
+)
 
 VOCABULARY = Path(__file__).with_name("tiny_tokenizer.json")
 # The suite's small encoder, unless a test asks for other sizes.
@@ -48,6 +54,13 @@ def tiny_model_files(directory: Path, model_type: str, **sizes) -> Path:
     the tiny vocabulary's tokenizer, no weights."""
     tiny_config(model_type, **sizes).save_pretrained(directory)
     tiny_tokenizer().save_pretrained(directory)
+    return directory
+
+
+def tiny_random_model(directory: Path, model_type: str) -> Path:
+    """A tiny classifier of model_type with random weights, saved with the tiny vocabulary's tokenizer."""
+    tiny_model_files(directory, model_type)
+    AutoModelForSequenceClassification.from_config(tiny_config(model_type)).save_pretrained(directory)
     return directory
 
 

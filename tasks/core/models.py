@@ -51,6 +51,10 @@ def hub_free(name_or_path: str) -> dict:
     return {"local_files_only": True} if "://" in name_or_path or path.is_absolute() or path.is_dir() else {}
 
 
+# The weights transformers loads a PyTorch model from, whole or sharded (an index beside the shards).
+WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
 def saved_model(uri: str, field: str) -> str:
     """uri, a saved Hugging Face model's folder (local or remote), as every node reads it: a local
     one made absolute (Ray's workers run in folders of their own). Else one line naming the field."""
@@ -59,6 +63,9 @@ def saved_model(uri: str, field: str) -> str:
         raise ValueError(f"{field} {uri}: no such folder")
     if not storage.exists(storage.join(uri, "config.json")):
         raise ValueError(f"{field} {uri}: a folder without config.json, not a saved Hugging Face model")
+    if not any(storage.exists(storage.join(uri, name)) for name in WEIGHTS):
+        # else refused in the training worker or the inference actor, once the cluster had started (45 s)
+        raise ValueError(f"{field} {uri}: a folder without weights (none of {', '.join(WEIGHTS)})")
     return uri if remote else str(Path(uri).expanduser().resolve())
 
 
