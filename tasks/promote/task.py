@@ -82,8 +82,8 @@ def promote(
     pointer = layout.StorageRoot(store.root).champion(cfg.model_name)
     record, version = storage.read_versioned_json(pointer)
     current = Champion.model_validate(record) if record is not None else None
-    challenger, (_, _, floor_words) = metrics.scores()[cfg.metric], floor(metrics, cfg)
-    promoted, why, champion = judged(metrics, cfg, current, test, ray_address)
+    challenger, the_floor = metrics.scores()[cfg.metric], floor(metrics, cfg)
+    promoted, why, champion = judged(challenger, the_floor, cfg, current, test, ray_address)
     if promoted:
         new = Champion(
             model_uri=store.model_dir,
@@ -98,7 +98,7 @@ def promote(
     decision = Decision(
         promoted=promoted,
         reason=why,
-        floor=floor_words,
+        floor=the_floor[2],
         model_name=cfg.model_name,
         metric=cfg.metric,
         challenger=challenger,
@@ -111,10 +111,16 @@ def promote(
 
 
 def judged(
-    metrics: AnyMetrics, cfg: PromotionConfig, current: Champion | None, test: Split, ray_address: str | None
+    challenger: float,
+    the_floor: tuple[float, bool, str],
+    cfg: PromotionConfig,
+    current: Champion | None,
+    test: Split,
+    ray_address: str | None,
 ) -> tuple[bool, str, float | None]:
-    """Whether the challenger wins, why, and the champion's score on this test split (None: not scored)."""
-    challenger, (least, reaching_is_enough, floor_words) = metrics.scores()[cfg.metric], floor(metrics, cfg)
+    """Whether the challenger's score wins over the floor (`floor`'s) and the champion, why, and the
+    champion's score on this test split (None: not scored)."""
+    least, reaching_is_enough, floor_words = the_floor
     if not better(cfg, challenger, least) or (challenger == least and not reaching_is_enough):
         above = "below" if cfg.lower_is_better else "above"
         return False, f"{cfg.metric} {challenger:.4f} is not {above} the floor: {floor_words}", None

@@ -79,6 +79,12 @@ def export(replica: Replica, tokenizer, spec: WorkerSpec, result: Result) -> Non
     dist.barrier()
 
 
+def due(every: int, step: int, last: bool) -> bool:
+    """Whether a schedule of every `every` steps (0: none) falls on this step, short of the epoch's last
+    (the epoch's end validates and checkpoints on its own)."""
+    return bool(every and step % every == 0 and not last)
+
+
 @dataclass(frozen=True)
 class CheckpointPolicy:
     """What the loop decides on its validations and checkpoints, from the config and the validation
@@ -89,14 +95,12 @@ class CheckpointPolicy:
 
     def validates(self, step: int, last: bool) -> bool:
         """Whether this optimizer step is validated (the epoch's last is, at the epoch's end)."""
-        every = self.cfg.eval_every_steps
-        return bool(every and step % every == 0 and not last)
+        return due(self.cfg.eval_every_steps, step, last)
 
     def checkpoints(self, step: int, last: bool, validated: bool, curve: Curve) -> bool:
         """Whether this step is checkpointed mid-epoch: on the config's schedule, and with keep_best at
         every validation that scored better than every one before it."""
-        every = self.cfg.checkpoint_every_steps
-        scheduled = bool(every and step % every == 0 and not last)
+        scheduled = due(self.cfg.checkpoint_every_steps, step, last)
         return scheduled or (validated and self.cfg.keep_best and curve.evaluations_since_best(self.cfg.monitor) == 0)
 
     def patience_spent(self, curve: Curve) -> bool:
