@@ -198,7 +198,7 @@ def test_a_model_the_split_does_not_fit_is_refused_before_the_cluster(model_conf
     model_config.save_pretrained(tmp_path)  # the config is all the check reads
     (tmp_path / "model.safetensors").touch()  # and a folder without weights is no model (tasks/core/models.py)
     with pytest.raises(ValueError, match=message):
-        check_parallelism(TrainConfig(**split), ModelConfig(name_or_path=str(tmp_path)))
+        check_parallelism(TrainConfig(**split), ModelConfig(name_or_path=str(tmp_path)), "single_label")
 
 
 def test_strategy_auto_owns_what_it_chooses():

@@ -50,12 +50,22 @@ class Reading:
         return found | ({"pair_id": frame[self.pair_id_column].astype(str)} if self.pair_id_column else {})
 
 
+# An entity batch inference found: its text, its type, its character offsets [start, end) into the
+# row's text, and its words' mean probability.
+ENTITY = pa.struct(
+    {"text": pa.string(), "label": pa.string(), "start": pa.int32(), "end": pa.int32(), "score": pa.float32()}
+)
+
+
 def labels_schema(targets: Targets, pair_ids: bool = False) -> pa.Schema:
     """Each row's id and text (a pair's second text too, and its id where given), and what the model
     says of it: its class and that class's probability (single_label); the labels over their
     thresholds and every label's probability, in the order the file's metadata names them
-    (multi_label); a number per output, in a column named by it (regression)."""
+    (multi_label); a number per output, in a column named by it (regression); its entities, with their
+    character offsets into the text, and for a row given as words a tag per word (token_classification)."""
     row = {"id": pa.string(), "text": pa.string()}
+    if targets.task == "token_classification":
+        return pa.schema(row | {"entities": pa.list_(ENTITY), "tags": pa.list_(pa.string())})
     row |= {"text_pair": pa.string()} if targets.pairs else {}
     row |= {"pair_id": pa.string()} if pair_ids else {}
     if targets.task == "single_label":

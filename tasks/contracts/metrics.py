@@ -12,6 +12,7 @@ from pydantic import BaseModel, Field
 
 from tasks.contracts.training import Predictions
 from tasks.core.scoring import correlation, f1_scores, ranks
+from tasks.core.tagging import OUTSIDE, entity_types, type_of
 
 
 class Floor(BaseModel):
@@ -199,14 +200,94 @@ class RegressionMetrics(BaseModel):
         return {"mse": self.mse, "mae": self.mae, "pearson": self.pearson, "spearman": self.spearman}
 
 
-AnyMetrics = Annotated[Metrics | MultiLabelMetrics | RegressionMetrics, Field(discriminator="task")]
+def flat(rows: list[list[int]]) -> np.ndarray:
+    return np.fromiter((value for row in rows for value in row), dtype=np.int64)
+
+
+class TypeScores(BaseModel):
+    """One entity type's scores in a token-classification evaluation."""
+
+    name: str
+    precision: float
+    recall: float
+    f1: float
+    support: int  # entities of the type in the split
+
+
+class TokenMetrics(BaseModel):
+    """A token classifier's scores on a labelled split: entity-level precision, recall and F1 (strict
+    IOB2, micro over entities: tasks/core/scoring.py), per entity type, and word accuracy; with the
+    confusion of words' entity types (O included), true x predicted."""
+
+    task: Literal["token_classification"] = "token_classification"
+    entity_f1: float
+    entity_precision: float
+    entity_recall: float
+    token_accuracy: float
+    types: list[TypeScores]
+    confusion_matrix: list[list[int]]  # words, by entity type (O first): true x predicted
+    type_names: list[str]
+    rows: int
+    floor: Floor | None = None
+
+    @classmethod
+    def of_predictions(cls, predictions: Predictions, names: tuple[str, ...]) -> TokenMetrics:
+        """With the scores of a model that tags every word O."""
+        metrics = cls.of(predictions, names)
+        outside = names.index(OUTSIDE)
+        nothing = predictions.model_copy(update={"tags": [[outside] * len(row) for row in predictions.gold]})
+        floor = Floor(scores=cls.of(nothing, names).scores(), words="tagging every word O")
+        return metrics.model_copy(update={"floor": floor})
+
+    @classmethod
+    def of(cls, predictions: Predictions, names: tuple[str, ...]) -> TokenMetrics:
+        scores, kinds = predictions.entity_scores(names), [OUTSIDE, *entity_types(names)]
+        kind_of = np.asarray([kinds.index(type_of(name)) if name != OUTSIDE else 0 for name in names])
+        truth, guessed = (
+            np.concatenate([np.asarray(row, dtype=np.int64) for row in rows] or [np.zeros(0, np.int64)])
+            for rows in (predictions.gold, predictions.tags)
+        )
+        counts = np.zeros((len(kinds), len(kinds)), dtype=np.int64)
+        np.add.at(counts, (kind_of[truth], kind_of[guessed]), 1)
+        types = [
+            TypeScores(
+                name=name,
+                precision=found["precision"],
+                recall=found["recall"],
+                f1=found["f1-score"],
+                support=int(found["support"]),
+            )
+            for name, found in sorted(scores.types.items())
+        ]
+        return cls(
+            entity_f1=scores.f1,
+            entity_precision=scores.precision,
+            entity_recall=scores.recall,
+            token_accuracy=predictions.accuracy,
+            types=types,
+            confusion_matrix=counts.tolist(),
+            type_names=kinds,
+            rows=predictions.rows,
+        )
+
+    def scores(self) -> dict[str, float]:
+        return {
+            "entity_f1": self.entity_f1,
+            "entity_precision": self.entity_precision,
+            "entity_recall": self.entity_recall,
+            "token_accuracy": self.token_accuracy,
+        }
+
+
+AnyMetrics = Annotated[Metrics | MultiLabelMetrics | RegressionMetrics | TokenMetrics, Field(discriminator="task")]
 
 
 def details_markdown(metrics: AnyMetrics) -> str:
-    """What a table of scores does not show: the confusion matrix, each label's or each output's scores."""
+    """What a table of scores does not show: the confusion matrix, each label's, output's or entity type's scores."""
     if isinstance(metrics, Metrics):
         return metrics.confusion_markdown()
-    rows = metrics.labels if isinstance(metrics, MultiLabelMetrics) else metrics.outputs
+    rows = {MultiLabelMetrics: "labels", RegressionMetrics: "outputs", TokenMetrics: "types"}[type(metrics)]
+    rows = getattr(metrics, rows)
     fields = [name for name in type(rows[0]).model_fields if name != "name"]
     lines = ["| | " + " | ".join(fields) + " |", "|---" * (len(fields) + 1) + "|"]
     lines += [

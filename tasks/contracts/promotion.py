@@ -54,7 +54,7 @@ def check_champion_task(root: str, model_name: str, task: str) -> None:
         return
     model_uri = Champion.model_validate(storage.read_json(pointer)).model_uri
     config = storage.join(model_uri, "config.json")
-    found = task_of(storage.read_json(config).get("problem_type")) if storage.exists(config) else task
+    found = task_of(storage.read_json(config)) if storage.exists(config) else task
     if found != task:
         raise ValueError(
             f"promotion.model_name {model_name}: its champion {model_uri} is a {found} model, and data.task is "

@@ -12,6 +12,7 @@ from pydantic import BaseModel
 from tasks.contracts.shards import TokenizedSplits
 from tasks.core.config import ModelConfig
 from tasks.core.layout import RunStore
+from tasks.core.scoring import EntityScores, entity_scores
 from tasks.core.targets import Targets, Task
 from tasks.core.train_config import BETTER, Monitor, TrainConfig
 
@@ -53,10 +54,13 @@ class Point(BaseModel):
     step: int
     epoch: float
     loss: float
-    accuracy: float | None = None  # a classifier's (multi-label: every label right); regression has none
+    accuracy: float | None = (
+        None  # a classifier's (multi-label: every label right; tokens: a token's); regression has none
+    )
+    entity_f1: float | None = None  # token_classification's validation: entity-level F1 (strict IOB2)
 
     def value(self, monitor: Monitor) -> float:
-        return self.accuracy if monitor == "val_accuracy" else self.loss
+        return {"val_accuracy": self.accuracy, "val_entity_f1": self.entity_f1}.get(monitor, self.loss)
 
     def score(self, monitor: Monitor) -> float:
         """The monitor's value as a score where higher is better (a loss gone NaN or infinite: the lowest)."""
@@ -128,7 +132,7 @@ class Predictions(BaseModel):
     inference read these instead of loading the exported model again in new processes (8.3 + 9.8 s of a
     20-step main job on this CPU). single_label: each row's class id, its probability, the true class id;
     multi_label: each label's probability and the true labels (multi-hot); regression: the predicted and
-    the true numbers."""
+    the true numbers; token_classification: each word's predicted tag id and its true one."""
 
     task: Task = "single_label"
     labels: list[int] = []
@@ -136,6 +140,8 @@ class Predictions(BaseModel):
     truth: list[int] = []
     outputs: list[list[float]] = []
     targets: list[list[float]] = []
+    tags: list[list[int]] = []
+    gold: list[list[int]] = []
 
     @classmethod
     def of(cls, task: Task, outputs: list[list[float]], targets: list) -> Predictions:
@@ -147,11 +153,17 @@ class Predictions(BaseModel):
 
     @property
     def rows(self) -> int:
-        return len(self.labels) or len(self.outputs)
+        return len(self.labels) or len(self.outputs) or len(self.gold)
 
     @property
     def accuracy(self) -> float | None:
-        """The share of rows right: its class, or every label at 0.5 (subset accuracy); None for numbers."""
+        """The share of rows right: its class, or every label at 0.5 (subset accuracy); of words with their
+        tag (token_classification); None for numbers."""
+        if self.task == "token_classification":
+            pairs = [
+                (p, t) for row, truth in zip(self.tags, self.gold, strict=True) for p, t in zip(row, truth, strict=True)
+            ]
+            return sum(p == t for p, t in pairs) / max(1, len(pairs))
         if self.task == "single_label":
             return sum(a == b for a, b in zip(self.labels, self.truth, strict=True)) / max(1, len(self.labels))
         if self.task == "multi_label":
@@ -161,6 +173,12 @@ class Predictions(BaseModel):
             ]
             return sum(right) / max(1, len(right))
         return None
+
+    def entity_scores(self, names: tuple[str, ...]) -> EntityScores:
+        """token_classification: entity-level precision, recall and F1 (tasks/core/scoring.py)."""
+        return entity_scores(
+            [[names[i] for i in row] for row in self.gold], [[names[i] for i in row] for row in self.tags]
+        )
 
 
 class Result(BaseModel):

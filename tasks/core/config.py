@@ -17,7 +17,7 @@ from pydantic import AfterValidator, Field, field_validator, model_validator
 from tasks.core.layout import safe_name
 from tasks.core.strict import DEVICE, Device, Strict
 from tasks.core.targets import LOWER_IS_BETTER, METRIC_RANGES, METRICS, Targets, Task, Truncation
-from tasks.core.train_config import TrainConfig
+from tasks.core.train_config import TrainConfig, task_monitor
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 SHIPPED_DATA = PROJECT_ROOT / "data" / "rotten_tomatoes"
@@ -44,7 +44,8 @@ SafeName = Annotated[str, AfterValidator(lambda value: safe_name(value, "name"))
 # the less padding; with batch_size, what bounds an actor's memory whatever the corpus size.
 WINDOW_ROWS = 8192
 
-DataFormat = Literal["auto", "jsonl", "csv", "tsv", "parquet"]
+DataFormat = Literal["auto", "jsonl", "csv", "tsv", "parquet", "conll"]
+Subtokens = Literal["first", "all"]
 SplitInputs = str | list[str]
 SPLIT_INPUTS = (
     "A file, a directory (every data file under it) or a glob, as a local path or fsspec URI (s3://...); "
@@ -58,13 +59,22 @@ class DataConfig(Strict):
     train_uri: SplitInputs = Field(str(SHIPPED_DATA / "train.jsonl"), description=SPLIT_INPUTS)
     validation_uri: SplitInputs = Field(str(SHIPPED_DATA / "validation.jsonl"), description=SPLIT_INPUTS)
     test_uri: SplitInputs = Field(str(SHIPPED_DATA / "test.jsonl"), description=SPLIT_INPUTS)
-    format: DataFormat = Field("auto", description="File format; 'auto' goes by the file extension.")
+    format: DataFormat = Field(
+        "auto",
+        description="File format; 'auto' goes by the file extension. conll: a token a line, its tag last, "
+        "sentences apart by blank lines (token_classification).",
+    )
     task: Task = Field(
         "single_label",
         description="single_label: one class per text; multi_label: any number of labels per text, none "
-        "included; regression: a number per text (per label column).",
+        "included; regression: a number per text (per label column); token_classification: a tag per word "
+        "(named entities, spans), from words and tags, CoNLL files, or a text and its character spans.",
     )
-    text_column: str = "text"
+    text_column: str = Field(
+        "text",
+        description="The column holding the text; token_classification: a list of words, or a text whose "
+        "spans label_column holds.",
+    )
     text_pair_column: str | None = Field(
         None,
         description="A column holding each row's second text: the two are read as a pair (question and answer, "
@@ -76,12 +86,26 @@ class DataConfig(Strict):
         "longer one, a token at a time (transformers' default); only_first or only_second from that one alone.",
     )
     label_column: str | list[str] = Field(
-        "label", description="The column holding the target; regression may name several, one output each."
+        "label",
+        description="The column holding the target; regression may name several, one output each; "
+        "token_classification: a tag per word (names or ids), or spans [{start, end, label}].",
     )
     label_names: list[str] | None = Field(
         None,
-        description="Class (single_label) or label (multi_label) names in id order; labels in the data may be "
-        "these names or their ids. Default: negative, positive (the shipped reviews). Unset for regression.",
+        description="Class (single_label), label (multi_label) or tag (token_classification) names in id order; "
+        "labels in the data may be these names or their ids. Default: negative, positive (the shipped reviews); "
+        "token_classification: the training split's tags, sorted, O first. Unset for regression.",
+    )
+    subtokens: Subtokens = Field(
+        "first",
+        description="token_classification: which sub-tokens of a word carry its tag in training: its first "
+        "(the others count for no loss), or all (a B- tag's others as I-). Predictions read the first.",
+    )
+    stride: int = Field(
+        32,
+        ge=0,
+        description="token_classification: a text longer than model.max_length is read in windows that share "
+        "this many tokens, each word predicted from the window where it sits farthest from an edge.",
     )
     label_separator: str | None = Field(
         None, description="multi_label: labels written in one string, split by this (e.g. ','); default: lists."
@@ -107,6 +131,10 @@ class DataConfig(Strict):
             ),
             (task == "multi_label" and not self.label_names, "label_names: multi_label needs its label names"),
             (
+                task == "token_classification" and self.label_names is not None and "O" not in self.label_names,
+                "label_names: token_classification needs the tag O (a word in no entity) among them",
+            ),
+            (
                 task == "single_label" and len(self.targets.names) < 2,
                 f"label_names: give at least two classes, got {self.label_names}",
             ),
@@ -124,6 +152,10 @@ class DataConfig(Strict):
                 "truncation: a single text has no side to choose; set text_pair_column",
             ),
             (self.text_pair_column == self.text_column, "text_pair_column: the second text must be another column"),
+            (
+                task == "token_classification" and self.text_pair_column is not None,
+                "text_pair_column: token_classification tags the words of one text",
+            ),
         ]
         problem = next((message for found, message in problems if found), None)
         if problem:
@@ -136,6 +168,8 @@ class DataConfig(Strict):
         if self.task == "regression":
             columns = [self.label_column] if isinstance(self.label_column, str) else self.label_column
             return Targets(task="regression", names=tuple(columns), pairs=pairs)
+        if self.task == "token_classification":  # names unset: the training split's (tasks/core/data.py)
+            return Targets(task=self.task, names=tuple(self.label_names or ()), stride=self.stride)
         # unset, not empty: [] is falsy, and became the shipped reviews' classes without a word
         names = SHIPPED_LABELS if self.label_names is None else self.label_names
         return Targets(task=self.task, names=tuple(names), pairs=pairs)
@@ -154,7 +188,20 @@ class ModelConfig(Strict):
         return str(folder.resolve()) if folder.is_dir() else name_or_path
 
 
-PromotionMetric = Literal["accuracy", "macro_f1", "micro_f1", "subset_accuracy", "mse", "mae", "pearson", "spearman"]
+PromotionMetric = Literal[
+    "accuracy",
+    "macro_f1",
+    "micro_f1",
+    "subset_accuracy",
+    "mse",
+    "mae",
+    "pearson",
+    "spearman",
+    "entity_f1",
+    "entity_precision",
+    "entity_recall",
+    "token_accuracy",
+]
 InferencePrecision = Literal["auto", "fp32", "bf16"]
 INFERENCE_PRECISION = (
     "auto: bf16 on GPU, fp32 on CPU. bf16 on a CPU trades exactness for speed: a label may change where "
@@ -177,7 +224,15 @@ class InferenceConfig(Strict):
         None,
         description="Files to label: files, directories or globs (local or s3://), or a list of them; default: the test split.",
     )
-    text_column: str | None = Field(None, description="The column holding the text; default: the data's, else 'text'.")
+    text_column: str | None = Field(
+        None,
+        description="The column holding the text (a token classifier's: a text, or a list of words; a CoNLL "
+        "file's words are its column 'words'); default: the data's, else 'text'.",
+    )
+    format: DataFormat = Field(
+        "auto",
+        description="The files' format; 'auto' goes by the file extension (default: the data's for its test split).",
+    )
     text_pair_column: str | None = Field(
         None, description="A pair model's second text: the column holding it; default: the data's."
     )
@@ -326,13 +381,13 @@ class FinetuneParams(Strict):
         return self
 
     @model_validator(mode="after")
-    def _regression_watches_loss(self) -> FinetuneParams:
-        """Regression has no accuracy: keep_best and early stopping watch val_loss, its default monitor;
-        val_accuracy asked for is refused."""
-        if self.data.task == "regression" and self.train.monitor == "val_accuracy":
-            if "monitor" in self.train.model_fields_set:
-                raise ValueError("train.monitor: val_accuracy, but data.task regression has no accuracy: use val_loss")
-            self.train = self.train.model_copy(update={"monitor": "val_loss"})
+    def _monitor_of_the_task(self) -> FinetuneParams:
+        """keep_best and early stopping watch what the task measures: its default where the default
+        val_accuracy is not (regression's val_loss, token_classification's val_entity_f1); one asked
+        for that the task does not measure is refused."""
+        given = "monitor" in self.train.model_fields_set
+        monitor = task_monitor(self.data.task, self.train.monitor, given, "train.monitor")
+        self.train = self.train.model_copy(update={"monitor": monitor})
         return self
 
     def inputs(self) -> list[str]:

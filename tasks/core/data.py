@@ -14,9 +14,20 @@ from dataclasses import dataclass, replace
 import numpy as np
 import pandas as pd
 
-from tasks.core import storage
+from tasks.core import storage, tagging
 from tasks.core.config import DataConfig
-from tasks.core.files import CHUNK_ROWS, DataError, Piece, cut, expand_inputs, file_format, iter_frames, reading, shown
+from tasks.core.files import (
+    CHUNK_ROWS,
+    CONLL_COLUMNS,
+    DataError,
+    Piece,
+    cut,
+    expand_inputs,
+    file_format,
+    iter_frames,
+    reading,
+    shown,
+)
 from tasks.core.targets import TargetError, Targets, rows_of
 
 SPLITS = ("train", "validation", "test")
@@ -34,6 +45,8 @@ class Schema:
     label_separator: str | None = None
     text_pair_column: str | None = None
     truncation: str = "longest_first"  # which text of a pair loses tokens
+    subtokens: str = "first"  # token_classification: the sub-tokens of a word that carry its tag
+    stride: int | None = None  # token_classification: tokens consecutive windows of a long text share
 
     @classmethod
     def of(cls, cfg: DataConfig) -> Schema:
@@ -47,7 +60,14 @@ class Schema:
             cfg.label_separator,
             cfg.text_pair_column,
             cfg.truncation,
+            cfg.subtokens,
+            cfg.targets.stride,
         )
+
+    @property
+    def tagged(self) -> bool:
+        """Whether a row is words and their tags (token_classification), not a text and its target."""
+        return self.task == "token_classification"
 
     @property
     def text_columns(self) -> tuple[str, ...]:
@@ -56,7 +76,7 @@ class Schema:
     @property
     def targets(self) -> Targets:
         pairs = self.truncation if self.text_pair_column else None
-        return Targets(task=self.task, names=self.label_names, pairs=pairs)
+        return Targets(task=self.task, names=self.label_names, pairs=pairs, stride=self.stride)
 
 
 @dataclass(frozen=True)
@@ -98,9 +118,11 @@ class Tally:
 
 def target_matrix(targets: pd.Series, spec: Targets) -> np.ndarray:
     """Parsed targets (Targets.parse) as a matrix, a row per row and a column per output: a
-    single-label class id one-hot."""
+    single-label class id one-hot; token_classification's: how many of the row's words have each tag."""
     if spec.task == "single_label":
         return np.eye(spec.width)[targets.to_numpy()]
+    if spec.task == "token_classification":
+        return np.array([np.bincount(ids, minlength=spec.width) for ids in targets], dtype=np.float64)
     return np.array(targets.tolist(), dtype=np.float64).reshape(len(targets), spec.width)
 
 
@@ -139,11 +161,18 @@ def check_texts(uri: str, texts: pd.Series) -> None:
         raise DataError(f"{uri}: column '{texts.name}' has empty texts at {rows_of(blank)}")
 
 
-def _checked(uri: str, frame: pd.DataFrame, schema: Schema) -> pd.DataFrame:
-    """A chunk's rows as (text[, text_pair], label), each checked."""
-    for column in (*schema.text_columns, *schema.label_columns):
+def has_columns(uri: str, frame: pd.DataFrame, columns: Sequence[str]) -> None:
+    for column in columns:
         if column not in frame.columns:
             raise DataError(f"{uri}: column '{column}' not found; columns are {list(frame.columns)}")
+
+
+def _checked(uri: str, frame: pd.DataFrame, schema: Schema) -> pd.DataFrame:
+    """A chunk's rows as (text[, text_pair], label), each checked: token_classification's as (words,
+    tag ids)."""
+    has_columns(uri, frame, (*schema.text_columns, *schema.label_columns))
+    if schema.tagged:
+        return tagging.tagged(uri, frame, schema.text_column, schema.label_columns[0], schema.label_names)
     for column in schema.text_columns:
         check_texts(uri, frame[column])
     try:
@@ -161,10 +190,17 @@ def labelled_frames(
     number in the file."""
     seen = piece.file_row if piece else 0
     with reading(uri, file_format(uri, schema.format)):
-        for frame in iter_frames(uri, schema.format, chunk_rows, piece):
+        for frame in read_frames(uri, schema, chunk_rows, piece):
             frame.index = pd.RangeIndex(seen, seen + len(frame))  # Parquet batches each start at 0
             seen += len(frame)
             yield _checked(uri, frame, schema)
+
+
+def read_frames(uri: str, schema: Schema, chunk_rows: int = CHUNK_ROWS, piece: Piece | None = None):
+    """A file's rows as read, a CoNLL file's words and tags under the schema's column names."""
+    conll = dict(zip(CONLL_COLUMNS, (schema.text_column, schema.label_columns[0]), strict=True))
+    for frame in iter_frames(uri, schema.format, chunk_rows, piece):
+        yield frame.rename(columns=conll) if file_format(uri, schema.format) == "conll" else frame
 
 
 def combined_sha256(uris: Sequence[str]) -> str:
@@ -212,6 +248,8 @@ def check_training_targets(train: Split) -> None:
     if targets.task == "single_label" and len(train.classes) < 2:
         only = targets.names[next(iter(train.classes))]
         raise DataError(f"{shown(train.uris)}: the training split has a single class ('{only}'); it needs at least two")
+    if targets.task == "token_classification" and set(train.classes) <= {targets.names.index(tagging.OUTSIDE)}:
+        raise DataError(f"{shown(train.uris)}: the training split tags every word O: no entity to learn")
     if targets.task == "regression":
         for column, least, most in zip(train.schema.label_columns, train.tally.least, train.tally.most, strict=True):
             if least == most:
@@ -222,6 +260,21 @@ def check_training_targets(train: Split) -> None:
 
 
 def load_splits(cfg: DataConfig) -> dict[str, Split]:
+    if cfg.task == "token_classification" and cfg.label_names is None:
+        cfg = cfg.model_copy(update={"label_names": list(training_tags(cfg))})
     splits = {name: load_split(name, getattr(cfg, f"{name}_uri"), cfg) for name in SPLITS}
     check_training_targets(splits["train"])
     return splits
+
+
+def training_tags(cfg: DataConfig) -> tuple[str, ...]:
+    """The tags of the training split's words (token_classification without label_names): one read
+    of its files before the checked one, which takes them as the model's outputs."""
+    files, schema, found = expand_inputs(cfg.train_uri), Schema.of(cfg), set()
+    for uri in files:
+        with reading(uri, file_format(uri, schema.format)):
+            for frame in read_frames(uri, schema):
+                has_columns(uri, frame, (schema.text_column, schema.label_columns[0]))
+                given = tagging.given_rows(uri, frame, schema.text_column, schema.label_columns[0])
+                found.update(tag for tags in given["tags"] for tag in tags)
+    return tagging.tag_names(found, shown(files))

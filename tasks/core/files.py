@@ -28,6 +28,7 @@ EXTENSIONS = {
     ".tsv": "tsv",
     ".parquet": "parquet",
     ".pq": "parquet",
+    ".conll": "conll",
 }
 # What pandas, Ray Data and `datasets` decompress by the file's last suffix, for every format but
 # Parquet (which compresses its own pages); fsspec's codecs (zstandard for .zst) read them.
@@ -38,6 +39,8 @@ PIECE_BYTES = 8 << 20  # the most of one file a worker task is given: pieces are
 # read as utf-8, pandas' JSON reader took it for a value ("Expected object or value at position 0").
 # Only a file's first piece starts with it; the content hash still reads the bytes as they are.
 TEXT_ENCODING = "utf-8-sig"
+CONLL_COLUMNS = ("words", "tags")  # a CoNLL file's rows, as its frames hold them
+LINE = "_line"  # a CoNLL frame's column: the line each sentence starts at, for messages
 
 
 class DataError(ValueError):
@@ -173,6 +176,8 @@ def _frames(uri: str, fmt: str, chunk_rows: int, piece: Piece | None) -> Iterato
             whole = piece is None or compression_of(uri)  # a compressed file is one piece
             lines = f if whole else io.BufferedReader(_Lines(f, piece.start, piece.stop), 1 << 20)
             yield from pd.read_json(lines, lines=True, dtype=False, chunksize=chunk_rows, encoding=TEXT_ENCODING)
+        elif fmt == "conll":
+            yield from conll_frames(io.TextIOWrapper(f, encoding=TEXT_ENCODING), uri, chunk_rows)
         else:
             sep = "\t" if fmt == "tsv" else ","
             yield from pd.read_csv(
@@ -210,10 +215,10 @@ def columns_of(uri: str, fmt: str = "auto") -> list[str] | None:
         return None if first is None else list(first.columns)
 
 
-def check_columns(files: list[str], columns: Sequence[str]) -> None:
+def check_columns(files: list[str], columns: Sequence[str], fmt: str = "auto") -> None:
     """Each file, read as its format, holds the columns."""
     for uri in files:
-        found = columns_of(uri)
+        found = columns_of(uri, fmt)
         missing = [column for column in columns if found is not None and column not in found]
         if missing:
             raise DataError(f"{uri}: column '{missing[0]}' not found; columns are {found}")
@@ -263,3 +268,33 @@ def _expand(uri: str) -> list[str]:
 def shown(uris: Sequence[str]) -> str:
     """Files named in a message: all of a few, the first few of many."""
     return ", ".join(uris[:SHOWN]) + (f" ... ({len(uris)} files)" if len(uris) > SHOWN else "")
+
+
+def conll_frames(text: io.TextIOBase, uri: str, chunk_rows: int) -> Iterator[pd.DataFrame]:
+    """A CoNLL file's sentences, chunk_rows at a time, as frames of (words, tags, the sentence's first
+    line). A token a line, its tag in the last column (tabs between columns, else spaces); a sentence
+    ends at a line that is empty or only whitespace (WNUT-17 writes a lone tab); -DOCSTART- lines are
+    skipped. Every token line must have as many columns as the file's first."""
+    rows, words, tags, columns, first = [], [], [], None, 0
+    for number, line in enumerate(text, start=1):
+        parts = [part.strip() for part in (line.split("\t") if "\t" in line.strip() else line.split())]
+        if not line.strip() or parts[0] == "-DOCSTART-":
+            if words:
+                rows.append((words, tags, first))
+                words, tags = [], []
+            if len(rows) == chunk_rows:
+                yield pd.DataFrame(rows, columns=[*CONLL_COLUMNS, LINE])
+                rows = []
+            continue
+        columns = columns or len(parts)
+        if columns < 2:
+            raise DataError(f"{uri}: line {number} has one column: a CoNLL line is a token, then its tag last")
+        if len(parts) != columns:
+            raise DataError(f"{uri}: line {number} has {len(parts)} columns, the file's first token line {columns}")
+        first = first if words else number
+        words.append(parts[0])
+        tags.append(parts[-1])
+    if words:
+        rows.append((words, tags, first))
+    if rows:
+        yield pd.DataFrame(rows, columns=[*CONLL_COLUMNS, LINE])

@@ -115,12 +115,17 @@ def tokenizer_sha256(name_or_path: str) -> str:
     return digest.hexdigest()
 
 
-def check_parallelism(cfg: TrainConfig, model: ModelConfig) -> None:
+def check_parallelism(cfg: TrainConfig, model: ModelConfig, task: str) -> None:
     """Refuse a split that the model cannot take, saying what to change, before any cluster work: the
     command's checks run it (tasks/validate/checks.py), from the model's config.json alone."""
     if cfg.model_parallel == 1:
         return
     name, size = cfg.split_field, cfg.model_parallel
+    if task == "token_classification":
+        raise ValueError(
+            f"train.{name}={size}: ftflow splits sequence classifiers only; a token classifier trains with data "
+            "parallelism and ZeRO 0-3 (offload fits a larger one): set it to 1"
+        )
     config = model_config(model.name_or_path)
     if config.get("model_type") not in SPLITTABLE:
         raise ValueError(

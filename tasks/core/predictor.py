@@ -13,15 +13,16 @@ from typing import Any
 
 import numpy as np
 import torch
-from transformers import AutoModelForSequenceClassification, AutoTokenizer
+from transformers import AutoConfig, AutoModelForSequenceClassification, AutoModelForTokenClassification, AutoTokenizer
 
 from tasks.core.attention import without_cudnn_attention
 from tasks.core.config import InferenceEngine
 from tasks.core.first_token import last_layer_at_first_token
 from tasks.core.objective import outputs_of
 from tasks.core.scoring import THRESHOLD
+from tasks.core.tagging import OUTSIDE, Tagged, tagged_row, words_and_offsets
 from tasks.core.targets import Targets, task_of
-from tasks.core.text import encoded, local_model, padded, truncating
+from tasks.core.text import encoded, first_subtokens, local_model, padded, truncating, windowing, windows
 
 
 class Predictor:
@@ -49,21 +50,32 @@ class Predictor:
         )
         with local_model(model_uri) as folder:  # a folder: never the hub
             tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-            model = AutoModelForSequenceClassification.from_pretrained(folder, dtype=dtype, local_files_only=True)
+            task = task_of(AutoConfig.from_pretrained(folder, local_files_only=True).to_dict())
+            kind = (
+                AutoModelForTokenClassification
+                if task == "token_classification"
+                else AutoModelForSequenceClassification
+            )
+            model = kind.from_pretrained(folder, dtype=dtype, local_files_only=True)
             self.model = model.to(self.device).eval()
         if engine != "deepspeed":  # DeepSpeed replaces the layers whole
             last_layer_at_first_token(self.model)
         self.forward = runner(self.model, engine, dtype)
         config = self.model.config
         self.targets = Targets(
-            task=task_of(config.problem_type),
+            task=task,
             names=tuple(config.id2label[i] for i in range(config.num_labels)),
             pairs=getattr(config, "text_pair_truncation", None),
+            stride=getattr(config, "window_stride", None),
         )
         self.thresholds = getattr(config, "label_thresholds", None) or [THRESHOLD] * self.targets.width
         self.batch_size = batch_size
         max_length = min(tokenizer.model_max_length, getattr(self.model.config, "max_position_embeddings", 512))
-        self.encoder = truncating(tokenizer, max_length, self.targets.pairs or "longest_first")
+        self.encoder = (
+            windowing(tokenizer, max_length, self.targets.stride or 0)
+            if task == "token_classification"
+            else truncating(tokenizer, max_length, self.targets.pairs or "longest_first")
+        )
         self.pad_id = tokenizer.pad_token_id or 0  # any id does: the attention mask hides it
 
     @property
@@ -88,6 +100,31 @@ class Predictor:
             found[chunk] = outputs_of(self.forward(**inputs).logits, self.targets.task).cpu().numpy()
         return found
 
+    @torch.inference_mode()
+    def tagged(self, rows: list) -> list[Tagged]:
+        """Per row, a text (split into words here) or a list of words, in order: each word's tag and its
+        probability, and its entities with their character offsets (tasks/core/tagging.py). A text
+        longer than the model reads is read in windows, each word predicted from the window where it
+        sits farthest from an edge."""
+        words = [words_and_offsets(row) for row in rows]
+        encodings = [
+            (row, encoding)
+            for row, found in enumerate(windows(self.encoder, [w[0] for w in words]))
+            for encoding in found
+        ]
+        lengths = np.array([len(encoding.ids) for _, encoding in encodings], dtype=np.int64)
+        order = np.argsort(lengths, kind="stable")
+        best: list[dict[int, tuple[int, int, float]]] = [{} for _ in rows]
+        for start in range(0, len(encodings), self.batch_size):
+            chunk = order[start : start + self.batch_size]
+            inputs = self.padded([encodings[i][1].ids for i in chunk], lengths[chunk], None)
+            probabilities = outputs_of(self.forward(**inputs).logits, self.targets.task).cpu().numpy()
+            for i, scores in zip(chunk, probabilities, strict=True):
+                row, encoding = encodings[i]
+                keep_farthest(best[row], encoding, scores[: lengths[i]])
+        outside = self.targets.names.index(OUTSIDE)
+        return [tagged_row(*found, best[row], self.targets.names, outside) for row, found in enumerate(words)]
+
     def padded(self, rows: list[list[int]], lengths: np.ndarray, types: list | None) -> dict[str, torch.Tensor]:
         input_ids, attention_mask = padded(rows, lengths, self.pad_id)
         inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
@@ -105,3 +142,14 @@ def runner(model: torch.nn.Module, engine: InferenceEngine, dtype: torch.dtype) 
 
         return deepspeed.init_inference(model, dtype=dtype, replace_with_kernel_inject=True)
     return model
+
+
+def keep_farthest(best: dict[int, tuple[int, int, float]], encoding, scores: np.ndarray) -> None:
+    """A window's words into a row's predictions, word -> (distance from the window's nearer edge, tag,
+    probability), where the window holds the word farther from an edge than any before it."""
+    last = len(encoding.ids) - 1
+    for position, word in enumerate(first_subtokens(encoding)):
+        distance = min(position, last - position)
+        if word >= 0 and (word not in best or distance > best[word][0]):
+            tag = int(scores[position].argmax())
+            best[word] = (distance, tag, float(scores[position, tag]))

@@ -10,7 +10,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from tasks.core.config import FinetuneParams
 from tasks.core.strict import Strict, one_line
-from tasks.core.train_config import BETTER, Monitor, TrainConfig
+from tasks.core.train_config import BETTER, Monitor, TrainConfig, task_monitor
 
 
 class Distribution(Strict):
@@ -146,10 +146,10 @@ class SweepParams(FinetuneParams):
         """Each trial's keep_best and early stopping watch the metric that ranks the trials (train.monitor
         says so): a best checkpoint by another metric would not be the one its trial was ranked by. Not
         refused when they differ: the UI's form sends every train.* field, its default monitor too.
-        Regression has no accuracy: its default metric is val_loss, and val_accuracy asked for is refused."""
-        if self.data.task == "regression" and self.sweep.metric == "val_accuracy":
-            if "metric" in self.sweep.model_fields_set:
-                raise ValueError("sweep.metric: val_accuracy, but data.task regression has no accuracy: use val_loss")
-            self.sweep = self.sweep.model_copy(update={"metric": "val_loss"})
+        A task's default metric is its own (val_loss for regression, val_entity_f1 for token_classification)."""
+        metric = task_monitor(
+            self.data.task, self.sweep.metric, "metric" in self.sweep.model_fields_set, "sweep.metric"
+        )
+        self.sweep = self.sweep.model_copy(update={"metric": metric})
         self.train = self.train.model_copy(update={"monitor": self.sweep.metric})
         return self

@@ -4,7 +4,9 @@ column(s): the one place that knows the three shapes of problem. Imports no torc
 - single_label: one class id per row (transformers' single_label_classification: cross-entropy);
 - multi_label: any number of labels per row, none included, held as a multi-hot row of floats
   (multi_label_classification: binary cross-entropy per label);
-- regression: one number per output column (regression: mean squared error).
+- regression: one number per output column (regression: mean squared error);
+- token_classification: a tag per word (a model *ForTokenClassification: cross-entropy per token), the
+  rows read by tasks/core/tagging.py.
 """
 
 from __future__ import annotations
@@ -17,18 +19,20 @@ import numpy as np
 import pandas as pd
 from pydantic import BaseModel
 
-Task = Literal["single_label", "multi_label", "regression"]
+Task = Literal["single_label", "multi_label", "regression", "token_classification"]
 Truncation = Literal["longest_first", "only_first", "only_second"]  # which text of a pair loses tokens
-PROBLEM_TYPES: dict[str, str] = {
+PROBLEM_TYPES: dict[str, str | None] = {
     "single_label": "single_label_classification",
     "multi_label": "multi_label_classification",
     "regression": "regression",
+    "token_classification": None,  # transformers' problem_type is a sequence classifier's only
 }
 # What each task's model is scored by on the test split, the promotion gate's default first.
 METRICS: dict[str, tuple[str, ...]] = {
     "single_label": ("accuracy", "macro_f1"),
     "multi_label": ("micro_f1", "macro_f1", "subset_accuracy"),
     "regression": ("mse", "mae", "pearson", "spearman"),
+    "token_classification": ("entity_f1", "entity_precision", "entity_recall", "token_accuracy"),
 }
 LOWER_IS_BETTER = frozenset({"mse", "mae"})
 # Where each metric's scores lie: a promotion floor (promotion.min_score) outside is no score at all.
@@ -41,14 +45,22 @@ METRIC_RANGES: dict[str, tuple[float, float]] = {
     "mae": (0, math.inf),
     "pearson": (-1, 1),
     "spearman": (-1, 1),
+    "entity_f1": (0, 1),
+    "entity_precision": (0, 1),
+    "entity_recall": (0, 1),
+    "token_accuracy": (0, 1),
 }
 SHOWN = 5  # values and rows quoted in an error message
 
 
-def task_of(problem_type: str | None) -> Task:
-    """A saved model's task, from its config's problem_type (None: a classifier saved without one,
-    as models from elsewhere and ftflow's before data.task are)."""
-    return next((task for task, kind in PROBLEM_TYPES.items() if kind == problem_type), "single_label")
+def task_of(config: dict) -> Task:
+    """A saved model's task, from its config (config.json's fields): a token classifier by its
+    architecture, else by its problem_type (None: a classifier saved without one, as models from
+    elsewhere and ftflow's before data.task are)."""
+    if any(name.endswith("ForTokenClassification") for name in config.get("architectures") or []):
+        return "token_classification"
+    problem_type = config.get("problem_type")
+    return next((task for task, kind in PROBLEM_TYPES.items() if problem_type and kind == problem_type), "single_label")
 
 
 class TargetError(ValueError):
@@ -66,19 +78,16 @@ class Targets(BaseModel, frozen=True):
     # Per output, its training rows' mean: a label's share (multi_label), a number's mean (regression).
     # The model's classifier starts there (tasks/train/engine.py), from the data (tasks/core/data.py).
     priors: tuple[float, ...] | None = None
+    # token_classification: tokens two consecutive windows of a text longer than the model's length share
+    stride: int | None = None
 
     @property
     def width(self) -> int:
         return len(self.names)
 
     @property
-    def problem_type(self) -> str:
+    def problem_type(self) -> str | None:
         return PROBLEM_TYPES[self.task]
-
-    @property
-    def classified(self) -> bool:
-        """Whether the outputs are classes or labels (scored by accuracy), not numbers."""
-        return self.task != "regression"
 
     def parse(self, labels: pd.DataFrame, separator: str | None = None) -> pd.Series:
         """The label column(s) of a chunk of rows -> a target per row: a class id (single_label), a

@@ -9,7 +9,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 import numpy as np
-from tokenizers import Tokenizer
+from tokenizers import Encoding, Tokenizer, pre_tokenizers
 
 from tasks.core import storage
 
@@ -38,6 +38,35 @@ def truncating(tokenizer: PreTrainedTokenizerBase, max_length: int, pairs: str =
     core.enable_truncation(max_length, strategy=pairs, direction=tokenizer.truncation_side)
     core.no_padding()
     return core
+
+
+def windowing(tokenizer: PreTrainedTokenizerBase, max_length: int, stride: int) -> Tokenizer:
+    """The fast tokenizer's Rust core set to read words (token_classification: pre-split, each word as
+    if a space came before it, which byte-level BPE tokenizers such as RoBERTa's and GPT-2's mark in
+    their tokens) in windows of max_length tokens, each sharing `stride` tokens with the one before, so
+    that a text longer than the model reads is split, never cut."""
+    core = truncating(tokenizer, max_length)
+    core.enable_truncation(max_length, stride=stride, direction="right")
+    pre = core.pre_tokenizer
+    if isinstance(pre, pre_tokenizers.ByteLevel):  # transformers' add_prefix_space=True does the same
+        pre.add_prefix_space = True
+        core.pre_tokenizer = pre
+    return core
+
+
+def windows(tokenizer: Tokenizer, words: list[list[str]]) -> list[list[Encoding]]:
+    """Each row's words as its windows' encodings (one where it fits)."""
+    return [[encoding, *encoding.overflowing] for encoding in tokenizer.encode_batch(words, is_pretokenized=True)]
+
+
+def first_subtokens(encoding: Encoding) -> list[int]:
+    """Per token of a window, the word whose first sub-token it is, else -1 (special tokens, a word's
+    later sub-tokens, and those of a word the window starts inside of: its offset in the word is not 0)."""
+    starts, previous = [], None
+    for word, (start, _) in zip(encoding.word_ids, encoding.offsets, strict=True):
+        starts.append(word if word is not None and word != previous and start == 0 else -1)
+        previous = word
+    return starts
 
 
 def encoded(tokenizer: Tokenizer, texts: list[str], pairs: list[str] | None) -> tuple[list, list | None]:

@@ -15,8 +15,25 @@ AUTO_CHOOSES = ("zero_stage", "offload_optimizer", "offload_params", "tensor_par
 
 
 # The validation metrics training reports at each evaluation, and which way is better.
-Monitor = Literal["val_accuracy", "val_loss"]
-BETTER: dict[str, Literal["max", "min"]] = {"val_accuracy": "max", "val_loss": "min"}
+Monitor = Literal["val_accuracy", "val_loss", "val_entity_f1"]
+BETTER: dict[str, Literal["max", "min"]] = {"val_accuracy": "max", "val_loss": "min", "val_entity_f1": "max"}
+# What each task's evaluations measure (its accuracy is a token's for token_classification), its default first.
+MONITORS: dict[str, tuple[Monitor, ...]] = {
+    "single_label": ("val_accuracy", "val_loss"),
+    "multi_label": ("val_accuracy", "val_loss"),
+    "regression": ("val_loss",),
+    "token_classification": ("val_entity_f1", "val_accuracy", "val_loss"),
+}
+
+
+def task_monitor(task: str, monitor: Monitor, given: bool, field: str) -> Monitor:
+    """The monitor a task's run watches: the one given (`given`: set by the user, not a default), which
+    the task must measure, else the task's default."""
+    if not given:
+        return MONITORS[task][0]
+    if monitor not in MONITORS[task]:
+        raise ValueError(f"{field}: {monitor}, but data.task {task} measures {', '.join(MONITORS[task])}")
+    return monitor
 
 
 class TrainConfig(Strict):
@@ -109,8 +126,9 @@ class TrainConfig(Strict):
     )
     monitor: Monitor = Field(
         "val_accuracy",
-        description="The validation metric early stopping and keep_best watch: the higher accuracy or the lower loss "
-        "is better (a sweep's trials watch sweep.metric instead).",
+        description="The validation metric early stopping and keep_best watch: the higher accuracy or entity F1, "
+        "or the lower loss, is better (a sweep's trials watch sweep.metric instead). Default: val_accuracy; "
+        "val_loss for regression, val_entity_f1 for token_classification.",
     )
     early_stopping_patience: int | None = Field(
         None,

@@ -7,7 +7,14 @@ from __future__ import annotations
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-from tasks.contracts.metrics import AnyMetrics, Metrics, MultiLabelMetrics, RegressionMetrics, details_markdown
+from tasks.contracts.metrics import (
+    AnyMetrics,
+    Metrics,
+    MultiLabelMetrics,
+    RegressionMetrics,
+    TokenMetrics,
+    details_markdown,
+)
 from tasks.contracts.training import Result
 from tasks.core import storage
 from tasks.core.data import Split
@@ -25,6 +32,8 @@ def test_metrics(splits: dict[str, Split], training: Result) -> AnyMetrics:
         return Metrics.of_predictions(predictions, names).with_floor()
     if targets.task == "multi_label":
         return MultiLabelMetrics.of_predictions(predictions, names, training.thresholds, train.tally.means)
+    if targets.task == "token_classification":
+        return TokenMetrics.of_predictions(predictions, targets.names)
     return RegressionMetrics.of_predictions(predictions, names, train.tally.means)
 
 

@@ -36,7 +36,7 @@ def labelled(model_uri: str, cfg: InferenceConfig, output_uri: str) -> Labelled:
     output = layout.OutputFolder(output_uri)
     sizes = {uri: storage.size(uri) for uri in files}  # once: for the actors and the parts
     actors, cpus, gpus = actor_pool(cfg, sizes)
-    parts = cut_in_parts(sizes, actors)
+    parts = cut_in_parts(sizes, actors, cfg.format)
     job = output.start()  # a re-run replaces exactly what an earlier job here wrote, complete or not
     started = time.perf_counter()
     # Ray Data waits for an actor pool's replicas forever unless told otherwise: a pool no node can
@@ -79,7 +79,7 @@ def actor_pool(cfg: InferenceConfig, sizes: dict[str, int]) -> tuple[int, float,
     """The labelling actors (one for a small job) and each one's CPUs and GPUs, on this cluster."""
     resources = cluster.Resources.of_cluster()
     actors, cpus, gpus = resources.inference_actors(
-        cfg.actors or (1 if estimated_rows(sizes) < ONE_ACTOR_ROWS else None), resources.use_gpu(cfg.device)
+        cfg.actors or (1 if estimated_rows(sizes, cfg.format) < ONE_ACTOR_ROWS else None), resources.use_gpu(cfg.device)
     )
     if cfg.engine == "deepspeed" and not gpus:
         raise ValueError(
@@ -112,7 +112,7 @@ def said(result: Labelled) -> Labelled:
     return result
 
 
-def cut_in_parts(sizes: dict[str, int], actors: int) -> list[Part]:
+def cut_in_parts(sizes: dict[str, int], actors: int, fmt: str = "auto") -> list[Part]:
     """The files as parts of at most an actor's share of the corpus over PARTS_PER_ACTOR (and at
     most PART_BYTES): whole files, or pieces of larger ones, each with its first row in the file for
     the default row ids. For two actors, 16 files of 625 rows are 16 parts, and one file of 10,000
@@ -120,7 +120,7 @@ def cut_in_parts(sizes: dict[str, int], actors: int) -> list[Part]:
     share = sum(sizes.values()) / (actors * PARTS_PER_ACTOR) if actors > 1 else PART_BYTES
     parts = []
     for uri, name in file_names(list(sizes)).items():
-        for piece in numbered(cut(uri, piece_bytes=max(1, int(min(share, PART_BYTES))))):
+        for piece in numbered(cut(uri, fmt, piece_bytes=max(1, int(min(share, PART_BYTES)))), fmt):
             parts.append(Part(uri, piece.start, piece.stop, piece.size, piece.file_row, name, len(parts)))
     return parts
 
@@ -152,10 +152,10 @@ def without_frames(error: Exception) -> Exception:
     return error.with_traceback(None)
 
 
-def estimated_rows(sizes: dict[str, int]) -> float:
+def estimated_rows(sizes: dict[str, int], fmt: str = "auto") -> float:
     """The corpus's rows, from the first file's rows per byte times the corpus's bytes (counting
     them would read the corpus twice)."""
-    return rows_per_byte(next(iter(sizes))) * sum(sizes.values())
+    return rows_per_byte(next(iter(sizes)), fmt) * sum(sizes.values())
 
 
 def progress_tick(counts: list[Counts], parts: int, total_bytes: int, seconds: float) -> Tick:

@@ -22,6 +22,7 @@ from tasks.core import layout, storage
 from tasks.core.config import InferenceConfig
 from tasks.core.data import Split
 from tasks.core.files import iter_frames
+from tasks.core.tagging import Tagged
 from tasks.core.targets import Targets
 
 
@@ -41,6 +42,16 @@ def columns(targets: Targets, thresholds: list[float], outputs: np.ndarray) -> d
         given = outputs >= np.asarray(thresholds)
         return {"labels": [names[row].tolist() for row in given], "scores": list(outputs)}
     return {name: outputs[:, i] for i, name in enumerate(targets.names)}
+
+
+def tag_columns(rows: list[Tagged]) -> dict[str, list]:
+    """A window's rows as a token classifier labelled them (Predictor.tagged), as labels_schema's columns:
+    the text its entities' offsets index (a row of words: the words joined by spaces)."""
+    return {
+        "text": [row.text for row in rows],
+        "entities": [row.entities for row in rows],
+        "tags": [row.tags for row in rows],
+    }
 
 
 def labels_table(

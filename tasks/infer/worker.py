@@ -26,7 +26,7 @@ from tasks.core import progress
 from tasks.core.config import InferenceConfig
 from tasks.core.data import DataError
 from tasks.core.files import Piece, file_format, iter_frames, reading
-from tasks.infer.labels import columns, labels_table
+from tasks.infer.labels import columns, labels_table, tag_columns
 
 
 class Counts(BaseModel):
@@ -74,7 +74,7 @@ class Labeller:
         from tasks.core.predictor import Predictor  # torch and transformers: in the actor only, not its driver
 
         self.predictor = Predictor(model_uri, cfg.batch_size, threads, precision=cfg.precision, engine=cfg.engine)
-        self.reading, self.window_rows = Reading.of(cfg), cfg.window_rows
+        self.reading, self.window_rows, self.format = Reading.of(cfg), cfg.window_rows, cfg.format
         self.schema = labels_schema(self.predictor.targets, self.reading.pair_id_column is not None)
         (self.path, self.filesystem), self.job = output, job
         self.channel, self.me, self.counts = channel, uuid.uuid4().hex, Counts()
@@ -88,11 +88,9 @@ class Labeller:
             f"{self.path}/{self.job}_{part.part:05d}.parquet", self.schema, filesystem=self.filesystem
         ) as out:
             for frame in self.windows(piece):
-                predictor = self.predictor
-                predicted = columns(
-                    predictor.targets, predictor.thresholds, predictor.outputs(*self.reading.texts(frame))
+                out.write_table(
+                    labels_table(frame, self.predicted(frame), self.schema, piece.file_row + seen, name, self.reading)
                 )
-                out.write_table(labels_table(frame, predicted, self.schema, piece.file_row + seen, name, self.reading))
                 seen += len(frame)
                 self.counts.labelled += len(frame)
                 self.tally()
@@ -104,6 +102,13 @@ class Labeller:
         self.tally()
         return seen
 
+    def predicted(self, frame: pd.DataFrame) -> dict:
+        """A window's predictions, as the columns labels_schema names."""
+        predictor = self.predictor
+        if predictor.targets.task == "token_classification":
+            return tag_columns(predictor.tagged(frame[self.reading.text_column].tolist()))
+        return columns(predictor.targets, predictor.thresholds, predictor.outputs(*self.reading.texts(frame)))
+
     def tally(self) -> None:
         if self.channel:
             progress.tally(self.channel, self.me, self.counts)
@@ -111,8 +116,8 @@ class Labeller:
     def windows(self, piece: Piece) -> Iterator[pd.DataFrame]:
         """The piece's rows, window_rows at a time; the parser's errors (only theirs) as one DataError
         naming the file, which may be corrupt, or lack a column, past what the driver checked."""
-        with reading(piece.uri, file_format(piece.uri)):
-            for frame in iter_frames(piece.uri, chunk_rows=self.window_rows, piece=piece):
+        with reading(piece.uri, file_format(piece.uri, self.format)):
+            for frame in iter_frames(piece.uri, self.format, chunk_rows=self.window_rows, piece=piece):
                 missing = [column for column in self.reading.columns if column not in frame.columns]
                 if missing:
                     raise DataError(f"{piece.uri}: column '{missing[0]}' not found")

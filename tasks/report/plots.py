@@ -8,10 +8,11 @@ import io
 
 from matplotlib.figure import Figure
 
-from tasks.contracts.metrics import Metrics, MultiLabelMetrics, RegressionMetrics
+from tasks.contracts.metrics import Metrics, MultiLabelMetrics, RegressionMetrics, TokenMetrics
 from tasks.contracts.sweep import SweepResult
 from tasks.contracts.training import Curve, Predictions
 from tasks.core.data import Split
+from tasks.core.tagging import OUTSIDE, scheme_of, type_of
 from tasks.report.manifest import Results
 
 PLOTS = {
@@ -19,6 +20,7 @@ PLOTS = {
     "confusion": "confusion-matrix.png",  # single_label
     "labels": "labels.png",  # multi_label
     "scatter": "predicted-vs-true.png",  # regression
+    "entities": "entities.png",  # token_classification
     "sweep": "sweep.png",
 }
 
@@ -71,9 +73,14 @@ def sweep_plot(sweep: SweepResult) -> bytes:
 
 
 def confusion_plot(metrics: Metrics) -> bytes:
-    names, counts = metrics.label_names, metrics.confusion_matrix
+    names = metrics.label_names
     figure = Figure(figsize=(1.2 * len(names) + 2.5, 1.0 * len(names) + 2))
-    axes = figure.subplots()
+    confusion(figure.subplots(), names, metrics.confusion_matrix, f"test split, {metrics.rows} rows")
+    return png(figure)
+
+
+def confusion(axes, names: list[str], counts: list[list[int]], title: str) -> None:
+    """A confusion matrix, true x predicted, each cell's count written in it."""
     axes.imshow(counts, cmap="Blues")
     peak = max(map(max, counts))
     for row, values in enumerate(counts):
@@ -86,8 +93,39 @@ def confusion_plot(metrics: Metrics) -> bytes:
         yticklabels=names,
         xlabel="predicted",
         ylabel="true",
-        title=f"test split, {metrics.rows} rows",
+        title=title,
     )
+
+
+def entity_counts(train: Split) -> dict[str, int]:
+    """Entities per type in a split: its B- tags (plain tags: its words of each tag)."""
+    names, counts = train.schema.label_names, {}
+    plain = scheme_of(names) == "plain"
+    for name, total in zip(names, train.tally.sums, strict=True):
+        if name != OUTSIDE and (plain or name.startswith("B-")):
+            counts[type_of(name)] = counts.get(type_of(name), 0) + int(total)
+    return counts
+
+
+def entity_plot(metrics: TokenMetrics, train: Split) -> bytes:
+    """Each entity type's test F1 beside its entities in the training split (its B- tags; a plain tag's
+    words), commonest first; and the words' confusion between entity types, O included."""
+    counts = dict.fromkeys(metrics.type_names[1:], 0) | entity_counts(train)
+    scored = {kind.name: kind.f1 for kind in metrics.types}
+    kinds = sorted(counts, key=lambda kind: -counts[kind])
+    figure = Figure(figsize=(2 * max(6, 0.5 * len(kinds) + 2) + 1, 4.8))
+    bars, matrix = figure.subplots(1, 2)
+    where = range(len(kinds))
+    bars.bar(where, [scored.get(kind, 0.0) for kind in kinds], color="C0")
+    bars.set_xticks(list(where), kinds, rotation=45, ha="right")
+    bars.set(ylim=(0, 1), ylabel="test entity F1", title=f"per type: entity F1 {metrics.entity_f1:.3f}")
+    bars.grid(alpha=0.3, axis="y")
+    shares = bars.twinx()
+    shares.plot(where, [counts[kind] for kind in kinds], "o", color="C1")
+    shares.set(ylabel="entities in the training split", ylim=(0, max(counts.values(), default=0) * 1.1 + 1))
+    confusion(matrix, metrics.type_names, metrics.confusion_matrix, "words by entity type (test)")
+    matrix.tick_params(axis="x", rotation=45)
+    figure.tight_layout()
     return png(figure)
 
 
@@ -127,6 +165,7 @@ TASK_SECTIONS = {
     "single_label": ("confusion", "Confusion matrix (test)"),
     "multi_label": ("labels", "Per label (test)"),
     "regression": ("scatter", "Predicted against true (test)"),
+    "token_classification": ("entities", "Per entity type (test)"),
 }
 
 
@@ -138,4 +177,6 @@ def task_plot(results: Results, splits: dict[str, Split]) -> dict[str, bytes]:
         return {name: confusion_plot(metrics)}
     if isinstance(metrics, MultiLabelMetrics):
         return {name: label_plot(metrics, splits["train"])}
+    if isinstance(metrics, TokenMetrics):
+        return {name: entity_plot(metrics, splits["train"])}
     return {name: scatter_plot(metrics, results.training.test)}

@@ -18,7 +18,7 @@ from tasks.core.config import ModelConfig
 from tasks.core.data import Split
 from tasks.core.models import hub_free, model_folder, tokenizer_sha256
 from tasks.core.progress import Tick, tallied
-from tasks.core.text import truncating
+from tasks.core.text import truncating, windowing
 from tasks.tokenize.worker import SPLITS, Written, shards, write_shard
 
 if TYPE_CHECKING:  # imported where a tokenizer is loaded: see tasks/core/models.py
@@ -93,19 +93,19 @@ def checked_key(splits: dict[str, Split], model: ModelConfig, root: str) -> Toke
 
 def _tokenize_splits(
     splits: dict[str, Split], tokenizer: Tokenizer, targets: dict[str, str], job: str
-) -> dict[str, int]:
+) -> dict[str, Written]:
     """Every split's shards as Ray tasks, at most one running per CPU: the work is CPU-bound, and
     on a 2-CPU machine eight at once ran 4x slower, starting Ray workers that add no speed. READ_CPUS
     each still, so the tasks never wait on CPUs that model workers hold. Plain tasks rather than a
     Ray Data pipeline: Ray Data's executor and its first-run actors cost 1.4 s of a 5.5 s run at
     100k rows, and this work has no stream to manage (each task returns one count). The tasks tally
-    their rows as they go (tasks/core/progress.py). Returns the rows written per split."""
+    their rows as they go (tasks/core/progress.py). Returns the rows and windows written per split."""
     for target in targets.values():
         fs, path = storage.filesystem(target)
         fs.makedirs(path, exist_ok=True)
     cpus = max(1, int(cluster.Resources.of_cluster().cpus))
     schema, tokenizer = ray.put(splits["train"].schema), ray.put(tokenizer)
-    running, written, planned = {}, dict.fromkeys(SPLITS, 0), shards(splits, cpus)
+    running, written, planned = {}, {name: Written() for name in SPLITS}, shards(splits, cpus)
     total = sum(split.total_rows for split in splits.values())
 
     def tick_of(tallies: list[bytes]) -> Tick:
@@ -136,10 +136,11 @@ def _tokenize_splits(
     return written
 
 
-def collect(running: dict, written: dict[str, int]) -> None:
-    """Wait for one of the running shards; add its rows to its split's."""
+def collect(running: dict, written: dict[str, Written]) -> None:
+    """Wait for one of the running shards; add its rows and windows to its split's."""
     [done], _ = ray.wait(list(running), num_returns=1)
-    written[running.pop(done)] += ray.get(done)
+    split, count = running.pop(done), ray.get(done)
+    written[split] = Written(rows=written[split].rows + count.rows, windows=written[split].windows + count.windows)
 
 
 def tokenized_shards(key: TokenizeKey, splits: dict[str, Split], model_name_or_path: str) -> TokenizedSplits:
@@ -147,14 +148,22 @@ def tokenized_shards(key: TokenizeKey, splits: dict[str, Split], model_name_or_p
     output = layout.OutputFolder(key.target)
     output.check()
     job = output.start()  # leftovers of an interrupted attempt must not mix with this one
-    pairs = splits["train"].schema.truncation
-    tokenizer = truncating(load_tokenizer(model_name_or_path), key.max_length, pairs)
-    rows = _tokenize_splits(splits, tokenizer, dict(key.shards), job)
+    schema, tokenizer = splits["train"].schema, load_tokenizer(model_name_or_path)
+    tokenizer = (
+        windowing(tokenizer, key.max_length, schema.stride)
+        if schema.tagged
+        else truncating(tokenizer, key.max_length, schema.truncation)
+    )
+    written = _tokenize_splits(splits, tokenizer, dict(key.shards), job)
+    rows = {name: count.rows for name, count in written.items()}
     for name in SPLITS:
         if rows[name] != splits[name].total_rows:  # a file changed since it was checked
             raise RuntimeError(
                 f"{name}: wrote {rows[name]} rows, but its files held {splits[name].total_rows} when checked"
             )
-    output.complete(job, output.written(job), {"rows": rows})
+    windows = {name: count.windows for name, count in written.items()}
+    output.complete(job, output.written(job), {"rows": rows, "windows": windows})
     jobs.log.info("tokenized %s rows into %s", rows, key.target)
+    if windows != rows:
+        jobs.log.info("texts longer than model.max_length, read in windows: %s windows", windows)
     return key.shards

@@ -26,6 +26,7 @@ import torch
 
 from tasks.contracts.shards import SHARD_COLUMNS
 from tasks.core import storage
+from tasks.core.tagging import IGNORED
 from tasks.core.text import padded
 from tasks.core.train_config import TrainConfig
 from tasks.train.ingest import padding_rows
@@ -38,15 +39,20 @@ def collate(batch: dict[str, np.ndarray], pad_id: int, pin: bool) -> dict[str, t
     rows = list(batch["input_ids"])
     lengths = np.fromiter(map(len, rows), np.int64, len(rows))
     input_ids, attention_mask = padded(rows, lengths, pad_id)
+    tagged = "words" in batch  # token_classification: a label per token
+    labels = padded(list(batch["label"]), lengths, IGNORED)[0] if tagged else targets_of(batch["label"])
     host = {
         "input_ids": torch.from_numpy(input_ids),
         "attention_mask": torch.from_numpy(attention_mask),
-        "labels": torch.from_numpy(targets_of(batch["label"])),
+        "labels": torch.from_numpy(labels),
         "row": torch.tensor(batch["row"], device="cpu"),
     }  # copies: Ray's arrays are read-only
     if "token_type_ids" in batch:  # a pair of texts: which one each token is of
         host["token_type_ids"] = torch.from_numpy(padded(list(batch["token_type_ids"]), lengths, 0)[0])
-    return {key: tensor.pin_memory() for key, tensor in host.items()} if pin else host
+    if tagged:  # the word each token starts, for evaluation (tasks/train/evaluation.py)
+        host["words"] = torch.from_numpy(padded(list(batch["words"]), lengths, -1)[0])
+    pinned = {key: tensor.pin_memory() for key, tensor in host.items()} if pin else host
+    return pinned | ({"tags": [np.asarray(tags).tolist() for tags in batch["tags"]]} if tagged else {})
 
 
 def targets_of(column: np.ndarray) -> np.ndarray:
@@ -92,10 +98,11 @@ def grouped(drawn, cfg: TrainConfig, pad_id: int, pin: bool, order: np.random.Ge
 
 def own_rows(split: EvaluationSplit, micro_batch: int) -> Iterator[dict[str, np.ndarray]]:
     """This worker's rows of an evaluation split, `micro_batch` at a time: those whose number is its rank
-    modulo the workers, and a copy of a row numbered -1 (it counts for nothing) where the split does not
-    divide evenly, so every worker has as many rows. Read from the shards here rather than split by Ray
-    Train: that started a coordinator actor per split, a process (1.5-3 s here) for rows each worker
-    reads once per evaluation."""
+    modulo the workers (a long text's windows share their row's number, so they stay together), and
+    copies of a row numbered -1 (they count for nothing) up to the most any worker has, so every worker
+    has as many rows: under ZeRO-3 each forward pass is a collective. Read from the shards here rather
+    than split by Ray Train: that started a coordinator actor per split, a process (1.5-3 s here) for
+    rows each worker reads once per evaluation."""
     context = ray.train.get_context()
     rank, workers = context.get_world_rank(), context.get_world_size()
     path, filesystem = storage.pyarrow_filesystem(split.uri)
@@ -108,10 +115,13 @@ def own_rows(split: EvaluationSplit, micro_batch: int) -> Iterator[dict[str, np.
             first, rest = rows_of(pa.Table.from_batches(held), micro_batch)
             yield first
             held = rest.to_batches()
-    if rank >= split.rows % workers > 0:
-        held += padding_rows(shards.head(1, columns=columns), 1).to_batches()
-    if sum(map(len, held)):
-        yield rows_of(pa.Table.from_batches(held), micro_batch)[0]
+    shares = np.bincount(shards.to_table(columns=["row"]).column("row").to_numpy() % workers, minlength=workers)
+    if shares[rank] < shares.max():
+        held += padding_rows(shards.head(1, columns=columns), int(shares.max() - shares[rank])).to_batches()
+    while sum(map(len, held)):
+        first, rest = rows_of(pa.Table.from_batches(held), micro_batch)
+        yield first
+        held = rest.to_batches()
 
 
 def rows_of(table: pa.Table, count: int) -> tuple[dict[str, np.ndarray], pa.Table]:

@@ -70,6 +70,8 @@ def export(replica: Replica, tokenizer, spec: WorkerSpec, result: Result) -> Non
             config.label_thresholds = result.thresholds
         if spec.targets.pairs:  # inference reads pairs of texts, truncated as training's were
             config.text_pair_truncation = spec.targets.pairs
+        if spec.targets.stride is not None:  # inference reads long texts in windows, as training did
+            config.window_stride = spec.targets.stride
         with tempfile.TemporaryDirectory() as folder:
             model.save_pretrained(folder, state_dict=weights)
             config.save_pretrained(folder)

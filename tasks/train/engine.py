@@ -11,7 +11,13 @@ from datetime import timedelta
 
 import ray.train.torch
 import torch
-from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, set_seed
+from transformers import (
+    AutoConfig,
+    AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
+    AutoTokenizer,
+    set_seed,
+)
 from transformers.integrations.deepspeed import HfDeepSpeedConfig
 
 from tasks.core.attention import without_cudnn_attention
@@ -34,18 +40,20 @@ def build_model(spec: WorkerSpec):
     # a fine-tuned model trained to other outputs is loaded whole too, and partitioned by the engine.
     partitioned = spec.train.zero_stage == 3 and spec.train.tensor_parallel_size == 1 and head_fits(spec)
     zero_init = HfDeepSpeedConfig(spec.deepspeed) if partitioned else None  # noqa: F841 (kept alive)
-    names = spec.targets.names
-    model = AutoModelForSequenceClassification.from_pretrained(
+    names, tagged = spec.targets.names, spec.targets.task == "token_classification"
+    outputs = {"problem_type": spec.targets.problem_type} if not tagged else {}  # the loss (tasks/core/objective.py)
+    model = (AutoModelForTokenClassification if tagged else AutoModelForSequenceClassification).from_pretrained(
         spec.model,
-        problem_type=spec.targets.problem_type,  # which loss transformers computes (tasks/core/objective.py)
         num_labels=len(names),
         id2label=dict(enumerate(names)),
         label2id={name: i for i, name in enumerate(names)},
         ignore_mismatched_sizes=True,  # a classifier of other outputs (a fine-tuned model's): a new head
+        **outputs,
         **hub_free(spec.model),
     )
-    start_at_priors(model, spec.targets)
-    last_layer_at_first_token(model)
+    if not tagged:  # a token classifier reads every token's last layer
+        start_at_priors(model, spec.targets)
+        last_layer_at_first_token(model)
     if spec.train.activation_checkpointing and spec.train.pipeline_parallel_size == 1:  # stages checkpoint their own
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
@@ -54,7 +62,8 @@ def build_model(spec: WorkerSpec):
 def head_fits(spec: WorkerSpec) -> bool:
     """Whether the model's checkpoint holds no classifier (a base model's), or one of the outputs asked for."""
     config = AutoConfig.from_pretrained(spec.model, **hub_free(spec.model))
-    classifier = any(name.endswith("ForSequenceClassification") for name in config.architectures or [])
+    heads = ("ForSequenceClassification", "ForTokenClassification")
+    classifier = any(name.endswith(heads) for name in config.architectures or [])
     return not classifier or config.num_labels == spec.targets.width
 
 

@@ -64,19 +64,19 @@ def plan_of(cfg: TrainConfig, resources: cluster.Resources) -> Plan:
 
 
 def resolved(
-    cfg: TrainConfig, model: ModelConfig, labels: int, resources: cluster.Resources
+    cfg: TrainConfig, model: ModelConfig, targets: Targets, resources: cluster.Resources
 ) -> tuple[TrainConfig, Choice | None]:
     """The config as it trains: with strategy=auto, the fastest candidate (tasks/train/strategy.py) whose
     estimated need per worker, as `plan_of` would run it here, is within the memory a worker has."""
     if cfg.strategy == "manual":
         return cfg, None
-    size, use_gpu = strategy.ModelSize.of(model.name_or_path, labels), resources.use_gpu(cfg.device)
+    size, use_gpu = strategy.ModelSize.of(model.name_or_path, targets.width), resources.use_gpu(cfg.device)
     per_cpu = strategy.memory_per_cpu(use_gpu) if cfg.memory_per_worker_gb is None else None
     gpu = strategy.gpu_memory() if use_gpu and cfg.memory_per_worker_gb is None else None
     options = []
     for candidate in strategy.candidates(cfg, use_gpu):
         try:
-            check_parallelism(candidate, model)
+            check_parallelism(candidate, model, targets.task)
             the_plan = plan_of(candidate, resources)
         except ValueError:  # a split this model, or this cluster, cannot take
             continue
@@ -94,9 +94,9 @@ def resolved(
 
 def planned(model: ModelConfig, targets: Targets, cfg: TrainConfig) -> tuple[TrainConfig, Choice | None, Plan]:
     """The config as it trains (strategy=auto resolved), why, and its plan on this cluster; or what to change."""
-    check_parallelism(cfg, model)
+    check_parallelism(cfg, model, targets.task)
     resources = cluster.Resources.of_cluster()
-    cfg, choice = resolved(cfg, model, targets.width, resources)
+    cfg, choice = resolved(cfg, model, targets, resources)
     return cfg, choice, plan_of(cfg, resources)
 
 

@@ -33,68 +33,42 @@ from tasks.contracts.training import (
     Predictions,
     Result,
 )
-from tasks.core.objective import mean_loss, outputs_of, real_rows, right
+from tasks.core.objective import right
 from tasks.core.progress import Tick, post, say
 from tasks.core.scoring import tuned_thresholds
-from tasks.train.batches import evaluation_batches, training_batches
+from tasks.train.batches import training_batches
 from tasks.train.checkpoints import CheckpointPolicy, export, resume, save
 from tasks.train.engine import engine_line, setup
-from tasks.train.replica import Replica, on
+from tasks.train.evaluation import predicted
+from tasks.train.replica import on
 from tasks.train.spec import WorkerSpec
 from tasks.train.stream import drawn
 from tasks.train.watch import TRAINING, Pulse
 
 
 class Meter:
-    """Training loss x rows, rows right and rows, summed on the device and read only every
-    `log_every_steps` steps: no sync per batch. Also the rows per second between two reads."""
+    """Training loss x rows, rows right and rows (tokens, for token_classification), summed on the device
+    and read only every `log_every_steps` steps: no sync per batch. Also the rows per second between two
+    reads."""
 
     def __init__(self, device: torch.device, task: str):
-        self.sums = torch.zeros(3, dtype=torch.float64, device=device)
+        self.sums = torch.zeros(4, dtype=torch.float64, device=device)
         self.read_at, self.rows_per_s, self.task = time.perf_counter(), 0.0, task
 
     def add(self, loss: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor, rows: torch.Tensor) -> None:
         real = on(labels.device, rows >= 0)
         # Not `[real]`: a boolean index sizes its result on the host, a device sync per micro-batch.
-        count, hits = real.sum().double(), (right(logits.detach(), labels, self.task) & real).sum().double()
-        self.sums += torch.stack([loss.detach().double() * count, hits, count])
+        count, scored = real.sum().double(), right(logits.detach(), labels, real, self.task).double()
+        self.sums += torch.cat([(loss.detach().double() * count)[None], scored, count[None]])
 
     def point(self, step: int, epoch: float) -> Point:
         dist.all_reduce(self.sums)
-        loss_x_rows, hits, rows = self.sums.tolist()
+        loss_x_rows, hits, counted, rows = self.sums.tolist()
         self.sums.zero_()
         now = time.perf_counter()
         self.read_at, self.rows_per_s = now, rows / (now - self.read_at)
-        accuracy = hits / max(rows, 1) if self.task != "regression" else None
+        accuracy = hits / max(counted, 1) if self.task != "regression" else None
         return Point(step=step, epoch=round(epoch, 4), loss=loss_x_rows / max(rows, 1), accuracy=accuracy)
-
-
-@torch.no_grad()
-def predicted(
-    engine, replica: Replica, split: str, spec: WorkerSpec, pad_id: int, device: torch.device
-) -> tuple[float, Predictions]:
-    """Every row of a split as the engine predicts it, gathered from all workers (each replica's from
-    the rank that holds its logits): the mean loss over its rows, and the predictions by row. The
-    padding rows are dropped by their row number (-1)."""
-    engine.eval()
-    task, local, loss_x_rows = spec.targets.task, [], 0.0
-    for batch in evaluation_batches(
-        spec.evaluation[split], spec.plan.micro_batch, spec.train, pad_id, pin=device.type == "cuda"
-    ):
-        batch = replica.join(batch, pad_id)
-        logits = replica.logits(batch, device)
-        if not replica.leads:
-            continue
-        logits, labels, real = logits.float().cpu(), batch["labels"], batch["row"] >= 0
-        loss_x_rows += mean_loss(logits, labels, replica.config, real_rows(batch["row"])).item() * int(real.sum())
-        numbers, outputs = batch["row"][real].tolist(), outputs_of(logits, task)[real].tolist()
-        local += zip(numbers, outputs, labels[real].tolist(), strict=True)
-    engine.train()  # training may go on mid-epoch
-    gathered: list[tuple[float, list]] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (loss_x_rows, local))
-    rows = sorted(row for _, part in gathered for row in part)
-    loss = sum(part_loss for part_loss, _ in gathered) / len(rows)
-    return loss, Predictions.of(task, [row[1] for row in rows], [row[2] for row in rows])
 
 
 def layer_parameter_mb(layers: list[torch.nn.Module]) -> float | None:
@@ -254,9 +228,16 @@ class Recipe:
     def validate(self, position: float) -> None:
         self.pulse("validating", self.engine.global_steps)
         loss, self.predictions = predicted(self.engine, self.replica, "validation", self.spec, self.pad_id, self.device)
-        accuracy = self.predictions.accuracy
+        accuracy, tagged = self.predictions.accuracy, self.spec.targets.task == "token_classification"
+        entity_f1 = self.predictions.entity_scores(self.spec.targets.names).f1 if tagged else None
         self.progress.curve.validation.append(
-            Point(step=self.engine.global_steps, epoch=round(position, 4), loss=loss, accuracy=accuracy)
+            Point(
+                step=self.engine.global_steps,
+                epoch=round(position, 4),
+                loss=loss,
+                accuracy=accuracy,
+                entity_f1=entity_f1,
+            )
         )
 
     def end_epoch(self, epoch: int, stats: EpochStats) -> None:

@@ -17,7 +17,7 @@ from tasks.contracts.promotion import check_champion_task, resolve
 from tasks.core import layout, storage
 from tasks.core.config import BatchInferParams, DataConfig, FinetuneParams, InferenceConfig, default_storage_root
 from tasks.core.data import SPLITS, Split, load_splits
-from tasks.core.files import check_columns, expand_inputs
+from tasks.core.files import CONLL_COLUMNS, check_columns, expand_inputs, file_format
 from tasks.core.layout import OutputFolder, RunStore, refuse_overlap
 from tasks.core.models import check_parallelism, saved_model, training_model
 from tasks.core.storage import check_writable
@@ -52,10 +52,12 @@ class RunInputs:
 
     @property
     def labels_test_split(self) -> bool:
-        """Batch inference labels the test split's texts, which the trained engine labels for evaluation."""
+        """Batch inference labels the test split's texts, which the trained engine labels for evaluation. Not
+        a token classifier's: the entities' offsets index the texts as batch inference reads them."""
         test = self.splits["test"]
         reads = (self.inference.text_column, self.inference.text_pair_column)
-        return self.to_label == list(test.uris) and reads == (test.schema.text_column, test.schema.text_pair_column)
+        same = reads == (test.schema.text_column, test.schema.text_pair_column)
+        return self.to_label == list(test.uris) and same and not test.schema.tagged
 
     def by_field(self) -> dict[str, list[str]]:
         """The files read, by the field that named them."""
@@ -71,14 +73,8 @@ def run_inputs(params: FinetuneParams, store: RunStore | None) -> RunInputs:
     its folder."""
     splits = splits_of(params.data)
     training_model(params.model.name_or_path)
-    check_parallelism(params.train, params.model)  # in the flow, this came after Prefect's server: 5-11 s
-    inference = params.inference.model_copy(
-        update={
-            "input_uri": params.inference.input_uri or list(splits["test"].uris),
-            "text_column": params.inference.text_column or params.data.text_column,
-            "text_pair_column": params.inference.text_pair_column or params.data.text_pair_column,
-        }
-    )
+    check_parallelism(params.train, params.model, params.data.task)  # in the flow, after Prefect's server: 5-11 s
+    inference = params.inference.model_copy(update=inference_defaults(params, splits["test"]))
     inputs = RunInputs(splits, inference, files_to_label(inference))
     check_writable(params.storage_root, "storage_root")
     check_champion_task(params.storage_root, params.promotion.model_name, params.data.task)
@@ -90,6 +86,20 @@ def run_inputs(params: FinetuneParams, store: RunStore | None) -> RunInputs:
     ]
     refuse_overlap(outputs, inputs.read(params))
     return inputs
+
+
+def inference_defaults(params: FinetuneParams, test: Split) -> dict:
+    """What the run's labelling reads where its config does not say: the test split, read as it is
+    (its format, its text column: a CoNLL file's is 'words'), and the data's text columns."""
+    given = params.inference
+    conll = all(file_format(uri, params.data.format) == "conll" for uri in test.uris)
+    return {
+        "input_uri": given.input_uri or list(test.uris),
+        "format": given.format if given.input_uri or given.format != "auto" else params.data.format,
+        "text_column": given.text_column
+        or (CONLL_COLUMNS[0] if conll and not given.input_uri else params.data.text_column),
+        "text_pair_column": given.text_pair_column or params.data.text_pair_column,
+    }
 
 
 def batch_infer_inputs(params: BatchInferParams) -> str:
@@ -119,11 +129,11 @@ def files_to_label(cfg: InferenceConfig) -> list[str]:
     unchanged, as splits_of reads the splits: `ftflow run` and `ftflow infer` check them before
     Prefect starts, and their flow finds them checked."""
     found = tuple((uri, storage.fingerprint(uri)) for uri in expand_inputs(cfg.input_uri))
-    return list(_columns_checked(found, tuple(Reading.of(cfg).columns)))
+    return list(_columns_checked(found, tuple(Reading.of(cfg).columns), cfg.format))
 
 
 @functools.lru_cache(maxsize=2)
-def _columns_checked(found: tuple, columns: tuple[str, ...]) -> tuple[str, ...]:  # found: the key
+def _columns_checked(found: tuple, columns: tuple[str, ...], fmt: str) -> tuple[str, ...]:  # found: the key
     files = [uri for uri, _ in found]
-    check_columns(files, columns)
+    check_columns(files, columns, fmt)
     return tuple(files)
