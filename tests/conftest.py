@@ -6,6 +6,7 @@ import atexit
 import gzip
 import json
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -42,6 +43,7 @@ from tiny_model import make_tiny_bert  # noqa: E402
 
 from ftflow.temporary_api import free_port  # noqa: E402 -- the tests' free ports, as the command finds its own
 from tasks.core.config import SHIPPED_DATA  # noqa: E402
+from tasks.core.tagging import entities  # noqa: E402
 
 S3_KEY, S3_SECRET = "ftflow-test-key", "ftflow-test-secret-do-not-log"
 BUCKET = "ftflow-test"
@@ -271,6 +273,71 @@ def task_data(small_data, tmp_path_factory) -> dict[str, dict]:
         for fields in tasks.values():
             fields[f"{split}_uri"] = str(write_jsonl(folder / f"{split}.jsonl", rows))
     return tasks
+
+
+# entity_data's entity words, one word or two a name: whole words of the tiny model's vocabulary, so a
+# tiny model learns which words are which (their context says nothing)
+PEOPLE = ("writer", "girl", "friend", "child", "master", "teen")
+PLACES = ("home", "place", "cinema", "port", "class", "family")
+FILLER = ("the", "film", "is", "a", "with", "and", "story", "good", "but", "not", "its", "funny", "too", "so")
+
+
+def entity_sentence(draw: random.Random) -> tuple[list[str], list[str]]:
+    """A sentence of filler words with a person (one or two words) and a place in it, IOB2-tagged."""
+    words, tags = [], []
+    for kind, names, length in (("person", PEOPLE, draw.choice((1, 2))), ("location", PLACES, 1)):
+        filler = [draw.choice(FILLER) for _ in range(draw.randint(1, 5))]
+        words += filler + [draw.choice(names) for _ in range(length)]
+        tags += ["O"] * len(filler) + [f"B-{kind}"] + [f"I-{kind}"] * (length - 1)
+    return words, tags
+
+
+def write_conll(path: Path, sentences: list[tuple[list[str], list[str]]]) -> Path:
+    lines = ["-DOCSTART-\tO", ""]
+    for words, tags in sentences:
+        lines += [f"{word}\t{tag}" for word, tag in zip(words, tags, strict=True)] + ["\t"]  # WNUT-17's breaks
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def spans_row(words: list[str], tags: list[str]) -> dict:
+    """A sentence as annotation tools export it: its text (the words joined by spaces) and its entities'
+    character spans."""
+    starts = [sum(len(word) + 1 for word in words[:i]) for i in range(len(words))]
+    spans = []
+    for kind, first, last in entities(tags):
+        spans.append({"start": starts[first], "end": starts[last - 1] + len(words[last - 1]), "label": kind})
+    return {"text": " ".join(words), "spans": spans}
+
+
+@pytest.fixture(scope="session")
+def entity_data(tmp_path_factory) -> dict[str, dict]:
+    """Named entities a tiny model learns (entity_sentence), each split in the three forms token
+    classification reads (CoNLL, words and tags in JSONL, a text and its spans in JSONL), as their
+    DataConfig fields; and `documents`, texts and spans of 16 sentences each (about 160 words), several
+    times a short max_length."""
+    folder, draw = tmp_path_factory.mktemp("entity-data"), random.Random(0)
+    sizes = {"train": 320, "validation": 48, "test": 48}
+    forms = {form: {"task": "token_classification"} for form in ("conll", "words", "spans", "documents")}
+    forms["words"] |= {"text_column": "tokens", "label_column": "ner_tags"}
+    forms["spans"] |= {"label_column": "spans"}
+    forms["documents"] |= {"label_column": "spans"}
+    for split, size in sizes.items():
+        sentences = [entity_sentence(draw) for _ in range(size)]
+        documents = [
+            (sum((words for words, _ in part), []), sum((tags for _, tags in part), []))
+            for part in (sentences[i : i + 16] for i in range(0, size, 16))
+        ]
+        rows = [{"tokens": words, "ner_tags": tags} for words, tags in sentences]
+        forms["conll"][f"{split}_uri"] = str(write_conll(folder / f"{split}.conll", sentences))
+        forms["words"][f"{split}_uri"] = str(write_jsonl(folder / f"{split}-words.jsonl", rows))
+        forms["spans"][f"{split}_uri"] = str(
+            write_jsonl(folder / f"{split}-spans.jsonl", [spans_row(*s) for s in sentences])
+        )
+        forms["documents"][f"{split}_uri"] = str(
+            write_jsonl(folder / f"{split}-documents.jsonl", [spans_row(*d) for d in documents])
+        )
+    return forms
 
 
 @contextmanager

@@ -203,10 +203,13 @@ def tagged(uri: str, frame: pd.DataFrame, words_column: str, tags_column: str, n
 
 
 def tag_names(found: set, at: str) -> tuple[str, ...]:
-    """The tags a training split holds as the model's outputs: sorted, O first."""
+    """The tags a training split holds as the model's outputs: sorted, O first; IOB2 tags with both B-
+    and I- of each type (a type whose entities are one word in training may have longer ones elsewhere)."""
     ids = sorted(tag for tag in found if not isinstance(tag, str))
     if ids:
         raise DataError(f"{at}: tags given as ids ({ids[:5]}) need their names: set data.label_names")
+    if scheme_of(sorted(found)) == "iob2":
+        found = {OUTSIDE} | {f"{edge}-{kind}" for kind in entity_types(sorted(found)) for edge in "BI"}
     return (OUTSIDE, *sorted(found - {OUTSIDE}))
 
 

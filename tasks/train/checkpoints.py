@@ -66,6 +66,9 @@ def export(replica: Replica, tokenizer, spec: WorkerSpec, result: Result) -> Non
         }
         config = copy.deepcopy(model.config)
         config.dtype = torch.float32  # transformers takes the saved dtype from the module's parameters
+        # What it is (a token classifier, a sequence classifier), as model.save_pretrained writes it: the copy
+        # keeps the architecture of the checkpoint it was loaded from, a base model's or another head's.
+        config.architectures = [type(model).__name__]
         if result.thresholds is not None:  # what inference decides each label by (tasks/core/predictor.py)
             config.label_thresholds = result.thresholds
         if spec.targets.pairs:  # inference reads pairs of texts, truncated as training's were
