@@ -314,7 +314,7 @@ def spans_row(words: list[str], tags: list[str]) -> dict:
 def entity_data(tmp_path_factory) -> dict[str, dict]:
     """Named entities a tiny model learns (entity_sentence), each split in the three forms token
     classification reads (CoNLL, words and tags in JSONL, a text and its spans in JSONL), as their
-    DataConfig fields; and `documents`, texts and spans of 16 sentences each (about 160 words), several
+    DataConfig fields; and `documents`, texts and spans of 8 sentences each (about 80 words), several
     times a short max_length."""
     folder, draw = tmp_path_factory.mktemp("entity-data"), random.Random(0)
     sizes = {"train": 320, "validation": 48, "test": 48}
@@ -326,7 +326,7 @@ def entity_data(tmp_path_factory) -> dict[str, dict]:
         sentences = [entity_sentence(draw) for _ in range(size)]
         documents = [
             (sum((words for words, _ in part), []), sum((tags for _, tags in part), []))
-            for part in (sentences[i : i + 16] for i in range(0, size, 16))
+            for part in (sentences[i : i + 8] for i in range(0, size, 8))
         ]
         rows = [{"tokens": words, "ner_tags": tags} for words, tags in sentences]
         forms["conll"][f"{split}_uri"] = str(write_conll(folder / f"{split}.conll", sentences))

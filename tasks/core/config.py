@@ -381,6 +381,16 @@ class FinetuneParams(Strict):
         return self
 
     @model_validator(mode="after")
+    def _windows_advance(self) -> FinetuneParams:
+        """A window shares at most half its tokens with the one before: each one then reads new words."""
+        if self.data.task == "token_classification" and self.data.stride > self.model.max_length // 2:
+            raise ValueError(
+                f"data.stride: {self.data.stride} tokens shared by windows of model.max_length {self.model.max_length}: "
+                f"at most half ({self.model.max_length // 2})"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _monitor_of_the_task(self) -> FinetuneParams:
         """keep_best and early stopping watch what the task measures: its default where the default
         val_accuracy is not (regression's val_loss, token_classification's val_entity_f1); one asked
