@@ -134,7 +134,7 @@ def concluded(
     write_manifest(
         store.manifest,
         config=config,
-        data=DataRecord.of(inputs.splits, ready.key),
+        data=DataRecord.of(inputs.splits, ready.key, ready.job.shards),
         outputs=outputs,
         results=results,
         seconds=took.seconds,

@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import pyarrow as pa
+import pyarrow.dataset
 from pydantic import BaseModel
 
+from tasks.core import storage
 from tasks.core.tagging import IGNORED
 from tasks.core.targets import Targets
 
@@ -18,6 +20,16 @@ class TokenizedSplits(BaseModel, frozen=True):
     train: str
     validation: str
     test: str | None = None  # a run's always; a training job of its own may have none
+
+    def rows(self) -> dict[str, int]:
+        """Each split's shard rows, from their Parquet footers: a row per text, or per window of a text
+        longer than the model reads (token_classification)."""
+        return {name: shard_rows(uri) for name, uri in self if uri}
+
+
+def shard_rows(uri: str) -> int:
+    path, filesystem = storage.pyarrow_filesystem(uri)
+    return pyarrow.dataset.dataset(path, filesystem=filesystem, format="parquet").count_rows()
 
 
 # token_type_ids for pairs only; words and tags for token_classification only

@@ -90,6 +90,7 @@ class EpochRecord(BaseModel):
     train_loss: float
     val_loss: float
     val_accuracy: float | None
+    val_entity_f1: float | None = None  # token_classification's
     samples_per_s: float  # steady state: after the first micro-batch, evaluations and checkpoints excluded
     peak_memory_mb: float  # the largest over workers
     startup_s: float | None  # this attempt's model load, engine build and first micro-batch, in its first epoch only

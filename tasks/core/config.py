@@ -105,7 +105,8 @@ class DataConfig(Strict):
         32,
         ge=0,
         description="token_classification: a text longer than model.max_length is read in windows that share "
-        "this many tokens, each word predicted from the window where it sits farthest from an edge.",
+        "this many tokens (at most half the length; the default, a quarter of a length under 64), each word "
+        "predicted from the window where it sits farthest from an edge.",
     )
     label_separator: str | None = Field(
         None, description="multi_label: labels written in one string, split by this (e.g. ','); default: lists."
@@ -382,8 +383,14 @@ class FinetuneParams(Strict):
 
     @model_validator(mode="after")
     def _windows_advance(self) -> FinetuneParams:
-        """A window shares at most half its tokens with the one before: each one then reads new words."""
-        if self.data.task == "token_classification" and self.data.stride > self.model.max_length // 2:
+        """A window shares at most half its tokens with the one before: each one then reads new words. The
+        default's 32 is a quarter of a length under 64."""
+        half = self.model.max_length // 2
+        if self.data.task != "token_classification" or self.data.stride <= half:
+            return self
+        if "stride" not in self.data.model_fields_set:
+            self.data = self.data.model_copy(update={"stride": self.model.max_length // 4})
+        else:
             raise ValueError(
                 f"data.stride: {self.data.stride} tokens shared by windows of model.max_length {self.model.max_length}: "
                 f"at most half ({self.model.max_length // 2})"

@@ -61,6 +61,7 @@ class SplitRecord(BaseModel):
     uris: list[str]
     sha256: str
     rows: int
+    windows: int | None = None  # token_classification: its texts' windows (a long one takes several)
 
 
 class DataRecord(BaseModel):
@@ -70,10 +71,13 @@ class DataRecord(BaseModel):
     tokenize_key: dict
 
     @classmethod
-    def of(cls, splits: dict[str, Split], tokenize_key: BaseModel) -> DataRecord:
+    def of(cls, splits: dict[str, Split], tokenize_key: BaseModel, tokenized: TokenizedSplits) -> DataRecord:
+        windows = tokenized.rows() if splits["train"].schema.tagged else {}
         return cls(
             splits={
-                name: SplitRecord(uris=list(split.uris), sha256=split.sha256, rows=split.total_rows)
+                name: SplitRecord(
+                    uris=list(split.uris), sha256=split.sha256, rows=split.total_rows, windows=windows.get(name)
+                )
                 for name, split in splits.items()
             },
             tokenize_key=tokenize_key.model_dump(),

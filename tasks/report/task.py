@@ -15,10 +15,11 @@ from tasks.contracts.metrics import AnyMetrics, details_markdown
 from tasks.contracts.promotion import Decision
 from tasks.contracts.shards import TokenizedSplits
 from tasks.contracts.sweep import SweepResult, shown
-from tasks.contracts.training import Result
+from tasks.contracts.training import Predictions, Result
 from tasks.core import layout, storage
-from tasks.core.data import Split
+from tasks.core.data import Split, labelled_frames
 from tasks.core.layout import RunStore
+from tasks.core.tagging import OUTSIDE, entities
 from tasks.prefect_side.retries import RETRY_TRANSIENT
 from tasks.report.manifest import Outputs, Results, versions
 from tasks.report.plots import PLOTS, TASK_SECTIONS, sweep_plot, task_plot, training_plot
@@ -68,6 +69,32 @@ def task_lines(metrics: AnyMetrics, images: dict[str, str], plot_link) -> list[s
     return [f"## {title}", "", f"![{title}]({images[name]})", "", plot_link(name), "", details_markdown(metrics), ""]
 
 
+SENTENCES = 5  # test sentences a token classifier's report shows, with their entities marked
+
+
+def marked(words: list[str], tags: list[int], names: tuple[str, ...]) -> str:
+    """A sentence with its entities in bold, each followed by its type."""
+    shown = [word.replace("|", "\\|") for word in words]
+    for kind, first, last in entities([names[tag] for tag in tags]):
+        shown[first] = f"**{shown[first]}"
+        shown[last - 1] = f"{shown[last - 1]}** _({kind})_"
+    return " ".join(shown)
+
+
+def sentence_lines(test: Split, predictions: Predictions) -> list[str]:
+    """The first test sentences with an entity, true or predicted: their true and predicted entities."""
+    names, rows = test.schema.label_names, []
+    outside = names.index(OUTSIDE)
+    for frame in labelled_frames(test.uris[0], test.schema):
+        for row, words in frame["text"].items():
+            true, tags = predictions.gold[row], predictions.tags[row]
+            if set(true) | set(tags) != {outside}:
+                rows.append({"row": row, "true": marked(words, true, names), "predicted": marked(words, tags, names)})
+        if len(rows) >= SENTENCES:
+            break
+    return ["## Test sentences", "", *table(rows[:SENTENCES]), ""]
+
+
 def summary(metrics: AnyMetrics, promotion: Decision) -> list[str]:
     scores = ", ".join(f"{name.replace('_', ' ')} **{value:.4f}**" for name, value in metrics.scores().items())
     return [
@@ -84,9 +111,10 @@ def metric_rows(results: Results) -> list[dict]:
     last, metrics, promotion = results.training.history[-1], results.test, results.promotion
     rows = [("train", "loss", last.train_loss), ("validation", "loss", last.val_loss)]
     rows += [("validation", "accuracy", last.val_accuracy)] if last.val_accuracy is not None else []
+    rows += [("validation", "entity_f1", last.val_entity_f1)] if last.val_entity_f1 is not None else []
     kept = results.training.kept
     if kept and kept.step != last.step:  # keep_best exported an earlier step than the last
-        monitor = "accuracy" if kept.validation.accuracy is not None else "loss"
+        monitor = next(name for name in ("entity_f1", "accuracy", "loss") if getattr(kept.validation, name) is not None)
         rows.append(("validation", f"{monitor} at step {kept.step}, exported", getattr(kept.validation, monitor)))
     rows += [("test", name, value) for name, value in metrics.scores().items()]
     if promotion.champion is not None:
@@ -121,6 +149,7 @@ def epoch_rows(training: Result) -> list[dict]:
             "train loss": round(e.train_loss, 4),
             "val loss": round(e.val_loss, 4),
             **({"val accuracy": round(e.val_accuracy, 4)} if e.val_accuracy is not None else {}),
+            **({"val entity F1": round(e.val_entity_f1, 4)} if e.val_entity_f1 is not None else {}),
             "samples/s": round(e.samples_per_s, 1),
             "peak MiB per worker": round(e.peak_memory_mb),
         }
@@ -129,10 +158,13 @@ def epoch_rows(training: Result) -> list[dict]:
 
 
 def data_rows(splits: dict[str, Split], tokenized: TokenizedSplits, root: str) -> list[dict]:
+    """Each split's rows and files; a token classifier's windows too (a text longer than the model: several)."""
+    windows = tokenized.rows() if splits["train"].schema.tagged else {}
     return [
         {
             "split": name,
             "rows": split.total_rows,
+            **({"windows": windows[name]} if windows else {}),
             "MiB": round(sum(p.size for p in split.pieces) / 2**20, 2),
             "files": len(split.uris),
             "sha256": f"`{split.sha256[:12]}`",
@@ -190,6 +222,7 @@ def markdown(
         *table(epoch_rows(results.training)),
         "",
         *task_lines(results.test, images, plot_link),
+        *(sentence_lines(splits["test"], results.training.test) if splits["test"].schema.tagged else []),
         "## Data",
         "",
         *table(data_rows(splits, outputs.tokenized, root)),

@@ -30,7 +30,6 @@ from tasks.core.tagging import IGNORED
 from tasks.core.text import padded
 from tasks.core.train_config import TrainConfig
 from tasks.train.ingest import padding_rows
-from tasks.train.spec import EvaluationSplit
 
 
 def collate(batch: dict[str, np.ndarray], pad_id: int, pin: bool) -> dict[str, torch.Tensor]:
@@ -82,7 +81,7 @@ def training_batches(
     yield from grouped(drawn, cfg, pad_id, pin, np.random.default_rng([cfg.seed, epoch]))
 
 
-def evaluation_batches(split: EvaluationSplit, micro_batch: int, cfg: TrainConfig, pad_id: int, *, pin: bool = False):
+def evaluation_batches(split: str, micro_batch: int, cfg: TrainConfig, pad_id: int, *, pin: bool = False):
     """This worker's micro-batches of an evaluation split for one pass, grouped by length as training's."""
     yield from grouped(own_rows(split, micro_batch), cfg, pad_id, pin, None)
 
@@ -96,7 +95,7 @@ def grouped(drawn, cfg: TrainConfig, pad_id: int, pin: bool, order: np.random.Ge
         yield from grouped if order is None else (grouped[i] for i in order.permutation(len(grouped)))
 
 
-def own_rows(split: EvaluationSplit, micro_batch: int) -> Iterator[dict[str, np.ndarray]]:
+def own_rows(split: str, micro_batch: int) -> Iterator[dict[str, np.ndarray]]:
     """This worker's rows of an evaluation split, `micro_batch` at a time: those whose number is its rank
     modulo the workers (a long text's windows share their row's number, so they stay together), and
     copies of a row numbered -1 (they count for nothing) up to the most any worker has, so every worker
@@ -105,7 +104,7 @@ def own_rows(split: EvaluationSplit, micro_batch: int) -> Iterator[dict[str, np.
     rows each worker reads once per evaluation."""
     context = ray.train.get_context()
     rank, workers = context.get_world_rank(), context.get_world_size()
-    path, filesystem = storage.pyarrow_filesystem(split.uri)
+    path, filesystem = storage.pyarrow_filesystem(split)
     shards = pyarrow.dataset.dataset(path, filesystem=filesystem, format="parquet")
     columns = [name for name in SHARD_COLUMNS if name in shards.schema.names]
     held: list[pa.RecordBatch] = []

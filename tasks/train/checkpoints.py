@@ -134,6 +134,7 @@ class CheckpointPolicy:
             point = curve.validation[-1]
             metrics |= {"val_loss": point.loss, SCORE: point.score(self.cfg.monitor)}
             metrics |= {"val_accuracy": point.accuracy} if point.accuracy is not None else {}
+            metrics |= {"val_entity_f1": point.entity_f1} if point.entity_f1 is not None else {}
         return metrics
 
     def kept(self, curve: Curve, step: int) -> tuple[Kept, Checkpoint | None]:

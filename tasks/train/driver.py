@@ -37,9 +37,9 @@ from tasks.core.progress import relayed
 from tasks.core.train_config import TrainConfig
 from tasks.train.deepspeed_json import deepspeed_config
 from tasks.train.entry import train_worker
-from tasks.train.ingest import data_config, rows_in, split
+from tasks.train.ingest import data_config, split
 from tasks.train.plan import cpu_has_native_bf16, planned
-from tasks.train.spec import EvaluationSplit, Plan, WorkerSpec
+from tasks.train.spec import Plan, WorkerSpec
 from tasks.train.trainer import RUN_NAME, Trainer, stop_controller, worker_exception
 from tasks.train.watch import FailureRelay, Watchdog
 
@@ -94,11 +94,7 @@ def worker_spec(job: TrainingJob, cfg: TrainConfig, the_plan: Plan, train_count:
     plan, the DeepSpeed JSON, the steps, and the splits it evaluates on (the test split, where there is
     one, the trained engine labels: Result.test)."""
     shards, model = job.shards, job.model
-    evaluation = {
-        name: EvaluationSplit(uri=uri, rows=rows_in(uri))
-        for name, uri in (("validation", shards.validation), ("test", shards.test))
-        if uri
-    }
+    evaluation = {name: uri for name, uri in (("validation", shards.validation), ("test", shards.test)) if uri}
     padded_rows = train_count + -train_count % the_plan.workers
     batches_per_epoch = math.ceil(padded_rows / the_plan.workers / the_plan.micro_batch)
     max_steps = min(cfg.max_steps or math.inf, cfg.epochs * (batches_per_epoch // the_plan.accumulation))
@@ -235,6 +231,7 @@ def log_history(logger: logging.Logger, result: Result) -> None:
         logger.info("exported step %d: %s", result.kept.step, result.kept.reason)
     for row in result.history:
         accuracy = f" val_accuracy {row.val_accuracy:.4f}" if row.val_accuracy is not None else ""
+        accuracy += f" val_entity_f1 {row.val_entity_f1:.4f}" if row.val_entity_f1 is not None else ""
         logger.info(
             "epoch %g step %d: train_loss %.4f val_loss %.4f%s (%.1f samples/s, peak %.0f MiB per worker)%s",
             row.epoch,

@@ -58,12 +58,6 @@ def padding_rows(row: pa.Table, count: int) -> pa.Table:
     return copies.set_column(copies.schema.get_field_index("row"), "row", pa.array([-1] * count, pa.int64()))
 
 
-def rows_in(uri: str) -> int:
-    """A tokenized split's rows, from its Parquet footers."""
-    path, filesystem = storage.pyarrow_filesystem(uri)
-    return pyarrow.dataset.dataset(path, filesystem=filesystem, format="parquet").count_rows()
-
-
 def data_config() -> DataConfig:
     """Ray Train's ingest with the blocks kept in order, so that the split each worker gets, and so
     the order of every epoch, follows from the seed alone (Ray hands blocks out as they come)."""

@@ -30,13 +30,6 @@ class Plan(BaseModel, frozen=True):
         )
 
 
-class EvaluationSplit(BaseModel):
-    """A tokenized split that every worker reads its own rows of, to evaluate on: its shards, its rows."""
-
-    uri: str
-    rows: int
-
-
 class WorkerSpec(BaseModel):
     """All a worker is told: the typed config, its plan, the DeepSpeed JSON, and where the model goes."""
 
@@ -49,8 +42,8 @@ class WorkerSpec(BaseModel):
     batches_per_epoch: int  # micro-batches per worker and epoch, the same on every worker
     max_steps: int  # optimizer steps of the whole run
     model_uri: str  # where rank 0 writes the consolidated model
-    # validation, and the test split where there is one: the trained engine labels it (Result.test)
-    evaluation: dict[str, EvaluationSplit] = {}
+    # the shards of validation, and of the test split where there is one: the trained engine labels it (Result.test)
+    evaluation: dict[str, str] = {}
     channel: str | None = None  # the driver's progress channel (tasks/core/progress.py), once it listens
 
 

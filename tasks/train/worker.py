@@ -268,6 +268,7 @@ class Recipe:
             train_loss=totals[0].item() / max(totals[1].item(), 1),
             val_loss=validation.loss,
             val_accuracy=validation.accuracy,
+            val_entity_f1=validation.entity_f1,
             samples_per_s=totals[2].item() / elapsed if elapsed > 0 else 0.0,
             peak_memory_mb=peak_memory_mb(self.device),
             startup_s=stats.first_done - self.started if epoch == self.start_epoch else None,
