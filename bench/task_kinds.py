@@ -6,12 +6,17 @@
     emobank     regression of valence: Pearson's r on its test split, target at least 0.60;
     pairs       throughput of pairs against single texts of the same total length: tokenization
                 and batch inference rows/s, target within 10% (a pair: a review and the next one;
-                a single text: the two joined by a space).
+                a single text: the two joined by a space);
+    wnut17      token classification, WNUT-17's named entities as published (CoNLL, its whole
+                training split, 3 epochs at 1e-4, batch 16): test entity F1, target at least 0.44; the
+                whole job against a plain one-process loop doing the same (bench/token_loop.py),
+                target at most 1.3x; batch inference of the test texts (raw text, entities out)
+                against a single-label model of the same encoder on the same texts, target within 15%.
 
 Each run trains on a seeded subset of at most ROWS training rows where the data has more (stated in
 the output), evaluating at epoch ends only, so that it ends within 15 minutes here.
 
-    python bench/task_kinds.py [goemotions] [emobank] [pairs] [--rows 12000] [--epochs 1]
+    python bench/task_kinds.py [goemotions] [emobank] [pairs] [wnut17] [--rows 12000] [--epochs 1]
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ import time
 from pathlib import Path
 
 from end_to_end import FTFLOW, environment
+
+from tasks.core.config import default_model
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 PAPER_MACRO_F1 = 0.46
@@ -125,6 +132,84 @@ def pairs(folder: Path, rows: int, epochs: int) -> None:
             sys.exit(f"{name} inference failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
         labelled = next(line for line in done.stdout.splitlines() if line.startswith("rows/s:")).split()[-1]
         print(f"| {name} | {len(rows_of)} | tokenize {tokenized:,.0f} rows/s | batch inference {labelled} rows/s |")
+
+
+WNUT_F1, WNUT_LOOP_RATIO, WNUT_INFERENCE_RATIO = 0.44, 1.3, 0.85
+WNUT_EPOCHS = 3  # the issue's plain loop: 3 epochs at 1e-4, batch 16, first sub-tokens, strict entities
+
+
+def wnut17(folder: Path, rows: int, epochs: int) -> None:
+    """ftflow's token classifier on WNUT-17 beside the plain loop, then its inference beside a single-label model's."""
+    source = DATA / "wnut17"
+    files = {"train": "wnut17train.conll", "validation": "emerging.dev.conll", "test": "emerging.test.annotated"}
+    data = {"task": "token_classification", "format": "conll"} | {f"{k}_uri": str(source / v) for k, v in files.items()}
+    train = {"epochs": WNUT_EPOCHS, "batch_size": 16, "learning_rate": 1e-4, "eval_every_steps": 0}
+    manifest, wall = ftflow({"data": data, "train": train, "promotion": {"model_name": "wnut17"}}, folder, "wnut17")
+    model = manifest["outputs"]["model"]
+    loop_args = [str(source / files["train"]), str(source / files["test"]), "--epochs", str(WNUT_EPOCHS)]
+    done = subprocess.run(
+        [sys.executable, str(Path(__file__).with_name("token_loop.py")), default_model(), *loop_args],
+        env=environment(),
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode:
+        sys.exit(f"the plain loop failed:\n{done.stderr[-3000:]}")
+    loop = json.loads(done.stdout.strip().splitlines()[-1])
+    f1 = manifest["metrics"]["test"]["entity_f1"]
+    print(
+        f"| wnut17 (ftflow) | {manifest['data']['splits']['train']['rows']} | {WNUT_EPOCHS} | {wall:.0f} | "
+        f"entity F1 {f1:.4f} | target >= {WNUT_F1} |"
+    )
+    print(
+        f"| wnut17 (plain loop) | same | {WNUT_EPOCHS} | {loop['seconds']:.0f} | entity F1 {loop['entity_f1']:.4f} | "
+        f"ftflow/loop {wall / loop['seconds']:.2f}x, target <= {WNUT_LOOP_RATIO}x |"
+    )
+    token_rate, sequence_rate = inference_rates(folder, model, source / files["test"])
+    print(
+        f"| wnut17 inference | test texts | | | token {token_rate:,.1f} rows/s, single-label {sequence_rate:,.1f} "
+        f"rows/s | {token_rate / sequence_rate:.2f}x, target >= {WNUT_INFERENCE_RATIO}x |"
+    )
+
+
+def inference_rates(folder: Path, model: str, test: Path) -> tuple[float, float]:
+    """`ftflow infer` rows/s over the test sentences as raw text: the token classifier, then a single-label
+    classifier of the same encoder (its head untrained: the speed is the encoder's and the labelling's)."""
+    texts = folder / "texts.jsonl"
+    lines = test.read_text(encoding="utf-8").split("\n")
+    sentences, words = [], []
+    for line in lines:
+        if line.strip():
+            words.append(line.split("\t")[0])
+        elif words:
+            sentences.append(" ".join(words))
+            words = []
+    texts.write_text("".join(json.dumps({"text": text}) + "\n" for text in sentences))
+    single = folder / "single-label"
+    script = (
+        "import sys; from transformers import AutoModelForSequenceClassification as M, AutoTokenizer as T; "
+        "M.from_pretrained(sys.argv[1], num_labels=2).save_pretrained(sys.argv[2]); "
+        "T.from_pretrained(sys.argv[1]).save_pretrained(sys.argv[2])"
+    )
+    subprocess.run([sys.executable, "-c", script, default_model(), str(single)], env=environment(), check=True)
+    rates = []
+    for name, labeller in (("token", model), ("single", str(single))):
+        done = subprocess.run(
+            [*FTFLOW, "infer", labeller, str(texts), str(folder / f"{name}-labels")],
+            env=environment(),
+            capture_output=True,
+            text=True,
+        )
+        if done.returncode:
+            sys.exit(f"{name} inference failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+        rates.append(
+            float(
+                next(line for line in done.stdout.splitlines() if line.startswith("rows/s:"))
+                .split()[-1]
+                .replace(",", "")
+            )
+        )
+    return rates[0], rates[1]
 
 
 def main() -> None:

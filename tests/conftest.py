@@ -314,16 +314,18 @@ def spans_row(words: list[str], tags: list[str]) -> dict:
 def entity_data(tmp_path_factory) -> dict[str, dict]:
     """Named entities a tiny model learns (entity_sentence), each split in the three forms token
     classification reads (CoNLL, words and tags in JSONL, a text and its spans in JSONL), as their
-    DataConfig fields; and `documents`, texts and spans of 8 sentences each (about 80 words), several
-    times a short max_length."""
+    DataConfig fields; `mixed`, a split in each form (CoNLL to train, words to validate, spans to test,
+    the JSONL forms under the same column names); and `documents`, texts and spans of 8 sentences each
+    (about 80 words), several times a short max_length."""
     folder, draw = tmp_path_factory.mktemp("entity-data"), random.Random(0)
     sizes = {"train": 320, "validation": 48, "test": 48}
-    forms = {form: {"task": "token_classification"} for form in ("conll", "words", "spans", "documents")}
+    forms = {form: {"task": "token_classification"} for form in ("conll", "words", "spans", "mixed", "documents")}
     forms["words"] |= {"text_column": "tokens", "label_column": "ner_tags"}
     forms["spans"] |= {"label_column": "spans"}
     forms["documents"] |= {"label_column": "spans"}
-    for split, size in sizes.items():
-        sentences = [entity_sentence(draw) for _ in range(size)]
+    drawn = {split: [entity_sentence(draw) for _ in range(size)] for split, size in sizes.items()}
+    for split, sentences in drawn.items():
+        size = len(sentences)
         documents = [
             (sum((words for words, _ in part), []), sum((tags for _, tags in part), []))
             for part in (sentences[i : i + 8] for i in range(0, size, 8))
@@ -337,6 +339,13 @@ def entity_data(tmp_path_factory) -> dict[str, dict]:
         forms["documents"][f"{split}_uri"] = str(
             write_jsonl(folder / f"{split}-documents.jsonl", [spans_row(*d) for d in documents])
         )
+    as_words = [{"text": words, "label": tags} for words, tags in drawn["validation"]]
+    as_spans = [{"text": row["text"], "label": row["spans"]} for row in (spans_row(*s) for s in drawn["test"])]
+    forms["mixed"] |= {
+        "train_uri": forms["conll"]["train_uri"],
+        "validation_uri": str(write_jsonl(folder / "validation-mixed.jsonl", as_words)),
+        "test_uri": str(write_jsonl(folder / "test-mixed.jsonl", as_spans)),
+    }
     return forms
 
 

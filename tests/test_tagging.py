@@ -7,6 +7,8 @@ import json
 import time
 from pathlib import Path
 
+import numpy as np
+import pandas as pd
 import pytest
 from conftest import write_jsonl
 
@@ -156,3 +158,49 @@ def test_label_names_without_o_are_refused():
     with pytest.raises(ValueError, match="text_pair_column: token_classification tags the words of one text"):
         DataConfig(task="token_classification", text_pair_column="other")
     assert json.loads(DataConfig(task="token_classification").model_dump_json())["stride"] == 32
+
+
+def window_labels(words: list[str], tags: list[int], names, subtokens: str, max_length: int = 16) -> list[dict]:
+    """The shard rows tokenization writes for one row (tasks/tokenize/worker.py), with the tiny vocabulary."""
+    from tiny_model import tiny_tokenizer
+
+    from tasks.core.data import Schema
+    from tasks.core.text import windowing
+    from tasks.tokenize.worker import tagged_columns
+
+    schema = Schema("auto", "text", ("label",), "token_classification", names, subtokens=subtokens, stride=4)
+    frame = pd.DataFrame({"text": [words], "label": [tags]})
+    columns = tagged_columns(windowing(tiny_tokenizer(), max_length, 4), frame, np.array([7]), schema)
+    return [dict(zip(columns, values, strict=True)) for values in zip(*columns.values(), strict=True)]
+
+
+def test_a_long_row_is_windowed_and_each_word_starts_in_some_window():
+    words = ["the", "unwatchable", "film", "is", "a", "masterpiece", "of", "dullness"] * 6
+    rows = window_labels(words, [0] * len(words), ("O", "B-x", "I-x"), "first")
+    assert len(rows) > 3 and {row["row"] for row in rows} == {7}
+    started = {word for row in rows for word in row["words"] if word >= 0}
+    assert started == set(range(len(words))), "every word's first sub-token in some window"
+    for row in rows:  # a label on each word's first sub-token, none elsewhere
+        assert [label != -100 for label in row["label"]] == [word >= 0 for word in row["words"]]
+
+
+def test_subtokens_all_tags_a_words_later_pieces_as_inside():
+    names = ("O", "B-x", "I-x")
+    first, every = (window_labels(["unwatchable"], [1], names, subtokens)[0]["label"] for subtokens in ("first", "all"))
+    pieces = sum(label != -100 for label in every)
+    assert pieces > 1 and first[1] == every[1] == 1 and every[2 : 1 + pieces] == [2] * (pieces - 1)
+    assert sum(label != -100 for label in first) == 1
+
+
+def test_byte_level_tokenizers_read_words_with_a_prefix_space():
+    """RoBERTa's and GPT-2's BPE mark a word's start with Ġ: pre-split words get it as a text's words do."""
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    from tasks.core.text import windowing, windows
+
+    trained = ByteLevelBPETokenizer()
+    trained.train_from_iterator(["a film about the sea and the city"] * 20, vocab_size=300, min_frequency=1)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=trained._tokenizer)
+    encoding = windows(windowing(tokenizer, 32, 4), [["film", "city"]])[0][0]
+    assert encoding.tokens == tokenizer.tokenize(" film city") == ["Ġfilm", "Ġcity"]

@@ -1,6 +1,7 @@
 """Token classification end to end, as a user runs it: a tiny token classifier trained, evaluated, promoted
-and labelling, from CoNLL files under ZeRO-0 and from texts with character spans, documents several times
-the model's length, under ZeRO-3; then batch inference over rows of words and over raw text."""
+and labelling, under ZeRO-0 from a split in each form (CoNLL, words and tags, a text and its spans), and
+under ZeRO-3 from texts with character spans, documents several times the model's length; then batch
+inference over rows of words and over raw text."""
 
 from __future__ import annotations
 
@@ -44,24 +45,25 @@ def check_entities(rows: list[dict]) -> None:
 
 
 @pytest.fixture(scope="module")
-def conll_run(ray_cluster, tiny_model, entity_data, tmp_path_factory) -> dict:
-    return entity_run(tiny_model, entity_data["conll"], tmp_path_factory.mktemp("conll-run"))
+def mixed_run(ray_cluster, tiny_model, entity_data, tmp_path_factory) -> dict:
+    """Trained on CoNLL, validated on words and tags, tested on texts with spans."""
+    return entity_run(tiny_model, entity_data["mixed"], tmp_path_factory.mktemp("mixed-run"))
 
 
-def test_a_token_classifier_from_conll_files_trains_promotes_and_labels(conll_run, entity_data):
-    metrics = conll_run["metrics"]["test"]
+def test_a_token_classifier_from_each_form_trains_promotes_and_labels(mixed_run, entity_data):
+    metrics = mixed_run["metrics"]["test"]
     assert metrics["task"] == "token_classification" and metrics["rows"] == 48
     assert metrics["entity_f1"] > 0.5 > metrics["floor"]["scores"]["entity_f1"] == 0
     assert {kind["name"] for kind in metrics["types"]} == {"person", "location"}
-    assert conll_run["promoted"]
-    validation = conll_run["metrics"]["training"]["curve"]["validation"]
-    assert validation[-1]["entity_f1"] is not None, "keep_best and early stopping watch val_entity_f1"
-    rows = labels_of(storage.join(conll_run["run_dir"], "predictions"))
-    words = [len(row["tokens"]) for row in read_jsonl(Path(entity_data["words"]["test_uri"]))]
-    assert [len(row["tags"]) for row in sorted(rows, key=lambda row: int(row["id"].split(":")[1]))] == words
+    assert mixed_run["promoted"]
+    validation = mixed_run["metrics"]["training"]["curve"]["validation"]
+    assert validation[-1]["entity_f1"] > 0.5, "keep_best and early stopping watch val_entity_f1"
+    rows = labels_of(storage.join(mixed_run["run_dir"], "predictions"))
+    assert len(rows) == 48 and all(row["tags"] is None for row in rows), "raw text: entities, no tags"
     check_entities(rows)
-    report = storage.join(conll_run["run_dir"], "report")
+    report = storage.join(mixed_run["run_dir"], "report")
     assert storage.exists(storage.join(report, "entities.png"))
+    assert "## Test sentences" in Path(report, "report.md").read_text()
 
 
 def test_documents_longer_than_the_model_train_in_windows_under_zero3(ray_cluster, tiny_model, entity_data, tmp_path):
@@ -75,16 +77,15 @@ def test_documents_longer_than_the_model_train_in_windows_under_zero3(ray_cluste
     assert metrics["entity_f1"] > 0.5 and run["promoted"]
     assert run["data"]["splits"]["test"]["windows"] > 3 * len(test)
     rows = labels_of(storage.join(run["run_dir"], "predictions"))
-    assert all(row["tags"] is None for row in rows), "texts, not words: entities only"
     check_entities(rows)
 
 
-def test_batch_inference_tags_rows_of_words_and_raw_text(conll_run, entity_data, tmp_path):
+def test_batch_inference_tags_rows_of_words_and_raw_text(mixed_run, entity_data, tmp_path):
     words = read_jsonl(Path(entity_data["words"]["test_uri"]))[:5]
     rows = [{"tokens": row["tokens"]} for row in words] + [{"tokens": "A writer from home, again."}]
     inputs = write_jsonl(tmp_path / "mixed.jsonl", rows)
     run_batch_infer(
-        storage.join(conll_run["run_dir"], "model"), str(inputs), str(tmp_path / "out"), text_column="tokens"
+        storage.join(mixed_run["run_dir"], "model"), str(inputs), str(tmp_path / "out"), text_column="tokens"
     )
     labelled = labels_of(str(tmp_path / "out"))
     assert [len(row["tags"]) for row in labelled[:5]] == [len(row["tokens"]) for row in words]

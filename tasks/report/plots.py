@@ -32,13 +32,16 @@ def png(figure: Figure) -> bytes:
 
 
 def training_plot(curve: Curve) -> bytes:
-    """Loss and accuracy (where the task has one) against the optimizer step: training (averaged per
-    logging interval) and validation."""
-    measures = ("loss", "accuracy") if curve.train and curve.train[0].accuracy is not None else ("loss",)
+    """Loss, accuracy and entity F1 (where the task has them) against the optimizer step: training
+    (averaged per logging interval) and validation (entity F1: validation only)."""
+    points = curve.train + curve.validation
+    measures = [m for m in ("loss", "accuracy", "entity_f1") if any(getattr(p, m) is not None for p in points)]
     figure = Figure(figsize=(5.5 * len(measures), 3.8))
     for axes, measure in zip(figure.subplots(1, len(measures), squeeze=False)[0], measures, strict=True):
-        for points, name, style in ((curve.train, "training", "-"), (curve.validation, "validation", "o-")):
-            axes.plot([p.step for p in points], [getattr(p, measure) for p in points], style, label=name)
+        for series, name, style in ((curve.train, "training", "-"), (curve.validation, "validation", "o-")):
+            shown = [p for p in series if getattr(p, measure) is not None]
+            if shown:
+                axes.plot([p.step for p in shown], [getattr(p, measure) for p in shown], style, label=name)
         axes.set(xlabel="optimizer step", ylabel=measure, title=measure)
         axes.grid(alpha=0.3)
         axes.legend()

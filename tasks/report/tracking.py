@@ -75,7 +75,7 @@ def metrics_of(results: Results, seconds: dict) -> list[tuple[str, float, int]]:
         (f"{split}_{measure}", getattr(point, measure), point.step)
         for split, points in (("train", curve.train), ("val", curve.validation))
         for point in points
-        for measure in ("loss", "accuracy")
+        for measure in ("loss", "accuracy", "entity_f1")
         if getattr(point, measure) is not None
     ]
     final = {
