@@ -138,6 +138,8 @@ def test_a_set_value_yaml_reads_as_nothing_is_the_text_typed(tmp_path):
         "no model",
         "unsplittable model",
         "no weights",
+        "conll columns",
+        "token classifier split",
         "infer: no model",
         "infer: no champion",
         "infer: no input",
@@ -149,6 +151,13 @@ def test_data_model_and_storage_are_refused_before_anything_starts(tmp_path, s3_
     bad_labels = write_jsonl(tmp_path / "labels.jsonl", [{"text": "fine", "label": 1}, {"text": "odd", "label": 7}])
     write_jsonl(tmp_path / "empty.jsonl", [])
     (tmp_path / "corrupt.parquet").write_bytes(b"PAR1 not parquet at all")
+    (tmp_path / "bad.conll").write_text("Anna\tNNP\tB-person\nsings\tO\n")
+    (tmp_path / "good.conll").write_text("Anna\tB-person\nsings\tO\n")
+
+    def tokens(conll: str) -> list[str]:
+        splits = [f"data.{split}_uri={tmp_path}/{conll}" for split in ("train", "validation", "test")]
+        return [arg for setting in ("data.task=token_classification", *splits) for arg in ("--set", setting)]
+
     deberta = tiny_random_model(tmp_path / "deberta", "deberta-v2")
     unweighted = tiny_model_files(tmp_path / "unweighted", "bert")
     test = str(SHIPPED_DATA / "test.jsonl")
@@ -191,6 +200,15 @@ def test_data_model_and_storage_are_refused_before_anything_starts(tmp_path, s3_
             ["run", "--set", f"model.name_or_path={unweighted}"],
             f"model.name_or_path {unweighted}: a folder without weights (none of model.safetensors, "
             "model.safetensors.index.json, pytorch_model.bin, pytorch_model.bin.index.json)",
+        ),
+        "conll columns": (
+            ["run", *tokens("bad.conll")],
+            f"{tmp_path}/bad.conll: line 2 has 2 columns, the file's first token line 3",
+        ),
+        "token classifier split": (
+            ["run", *tokens("good.conll"), "--set", "train.pipeline_parallel_size=2"],
+            "train.pipeline_parallel_size=2: ftflow splits sequence classifiers only; a token classifier trains with "
+            "data parallelism and ZeRO 0-3 (offload fits a larger one): set it to 1",
         ),
         "infer: no model": (
             ["infer", "/nonexistent/model", test, f"{tmp_path}/out"],

@@ -189,20 +189,8 @@ class ModelConfig(Strict):
         return str(folder.resolve()) if folder.is_dir() else name_or_path
 
 
-PromotionMetric = Literal[
-    "accuracy",
-    "macro_f1",
-    "micro_f1",
-    "subset_accuracy",
-    "mse",
-    "mae",
-    "pearson",
-    "spearman",
-    "entity_f1",
-    "entity_precision",
-    "entity_recall",
-    "token_accuracy",
-]
+# Every task's metrics (tasks/core/targets.py METRICS), each once: a promotion gate compares one of them.
+PromotionMetric = Literal[tuple(dict.fromkeys(metric for metrics in METRICS.values() for metric in metrics))]
 InferencePrecision = Literal["auto", "fp32", "bf16"]
 INFERENCE_PRECISION = (
     "auto: bf16 on GPU, fp32 on CPU. bf16 on a CPU trades exactness for speed: a label may change where "
@@ -383,18 +371,14 @@ class FinetuneParams(Strict):
 
     @model_validator(mode="after")
     def _windows_advance(self) -> FinetuneParams:
-        """A window shares at most half its tokens with the one before: each one then reads new words. The
-        default's 32 is a quarter of a length under 64."""
-        half = self.model.max_length // 2
-        if self.data.task != "token_classification" or self.data.stride <= half:
-            return self
-        if "stride" not in self.data.model_fields_set:
-            self.data = self.data.model_copy(update={"stride": self.model.max_length // 4})
-        else:
-            raise ValueError(
-                f"data.stride: {self.data.stride} tokens shared by windows of model.max_length {self.model.max_length}: "
-                f"at most half ({self.model.max_length // 2})"
-            )
+        """A window shares at most half its tokens with the one before (the default: a quarter of a short one)."""
+        length, stride = self.model.max_length, self.data.stride
+        if self.data.task == "token_classification" and stride > length // 2:
+            if "stride" in self.data.model_fields_set:
+                raise ValueError(
+                    f"data.stride: {stride} tokens shared by windows of model.max_length {length}: at most half"
+                )
+            self.data = self.data.model_copy(update={"stride": length // 4})
         return self
 
     @model_validator(mode="after")

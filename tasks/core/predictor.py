@@ -118,10 +118,10 @@ class Predictor:
         for start in range(0, len(encodings), self.batch_size):
             chunk = order[start : start + self.batch_size]
             inputs = self.padded([encodings[i][1].ids for i in chunk], lengths[chunk], None)
-            probabilities = outputs_of(self.forward(**inputs).logits, self.targets.task).cpu().numpy()
-            for i, scores in zip(chunk, probabilities, strict=True):
+            scores, tags = outputs_of(self.forward(**inputs).logits, self.targets.task).max(-1)  # on the device
+            for i, window_tags, window_scores in zip(chunk, tags.tolist(), scores.tolist(), strict=True):
                 row, encoding = encodings[i]
-                keep_farthest(best[row], encoding, scores[: lengths[i]])
+                keep_farthest(best[row], encoding, window_tags, window_scores)
         outside = self.targets.names.index(OUTSIDE)
         return [tagged_row(*found, best[row], self.targets.names, outside) for row, found in enumerate(words)]
 
@@ -144,12 +144,12 @@ def runner(model: torch.nn.Module, engine: InferenceEngine, dtype: torch.dtype) 
     return model
 
 
-def keep_farthest(best: dict[int, tuple[int, int, float]], encoding, scores: np.ndarray) -> None:
-    """A window's words into a row's predictions, word -> (distance from the window's nearer edge, tag,
-    probability), where the window holds the word farther from an edge than any before it."""
+def keep_farthest(best: dict[int, tuple[int, int, float]], encoding, tags: list[int], scores: list[float]) -> None:
+    """A window's words (its tokens' most probable tags and their probabilities) into a row's predictions,
+    word -> (distance from the window's nearer edge, tag, probability), where the window holds the word
+    farther from an edge than any before it."""
     last = len(encoding.ids) - 1
     for position, word in enumerate(first_subtokens(encoding)):
         distance = min(position, last - position)
         if word >= 0 and (word not in best or distance > best[word][0]):
-            tag = int(scores[position].argmax())
-            best[word] = (distance, tag, float(scores[position, tag]))
+            best[word] = (distance, tags[position], scores[position])

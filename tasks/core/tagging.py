@@ -18,6 +18,7 @@ import numpy as np
 import pandas as pd
 
 from tasks.core.files import LINE, DataError
+from tasks.core.targets import label_id
 
 OUTSIDE = "O"  # the tag of a word in no entity
 IGNORED = -100  # a token's label that counts for no loss (transformers' ignore index)
@@ -102,8 +103,8 @@ def where(frame: pd.DataFrame, row: int) -> str:
     return f"sentence {row} (line {frame.at[row, LINE]})" if LINE in frame.columns else f"row {row}"
 
 
-def spans_tags(text: str, spans, at: str) -> tuple[list[str], list[str]]:
-    """A text's words and their IOB2 tags from its labelled character spans, each checked."""
+def checked_spans(text: str, spans, at: str) -> list[dict]:
+    """A text's spans, each a {start, end, label} within the text, sorted, none crossing another."""
     if not isinstance(spans, (list, tuple, np.ndarray)):
         raise DataError(f"{at}: spans must be a list of {{start, end, label}}, got {type(spans).__name__}")
     spans = [dict(span) if isinstance(span, dict) else span for span in spans]
@@ -111,16 +112,19 @@ def spans_tags(text: str, spans, at: str) -> tuple[list[str], list[str]]:
         if not isinstance(span, dict) or {"start", "end", "label"} - span.keys():
             raise DataError(f"{at}: span {i} is not {{start, end, label}}: {span!r}")
         start, end = span["start"], span["end"]
-        if not (
-            isinstance(start, (int, np.integer))
-            and isinstance(end, (int, np.integer))
-            and 0 <= start < end <= len(text)
-        ):
+        numbers = all(isinstance(edge, (int, np.integer)) and not isinstance(edge, bool) for edge in (start, end))
+        if not (numbers and 0 <= start < end <= len(text)):
             raise DataError(f"{at}: span {i} [{start}, {end}) is outside its text of {len(text)} characters")
-    spans = sorted(spans, key=lambda span: span["start"])
+    spans.sort(key=lambda span: span["start"])
     for before, span in pairwise(spans):
         if span["start"] < before["end"]:
             raise DataError(f"{at}: span [{span['start']}, {span['end']}) crosses [{before['start']}, {before['end']})")
+    return spans
+
+
+def spans_tags(text: str, spans, at: str) -> tuple[list[str], list[str]]:
+    """A text's words and their IOB2 tags from its labelled character spans."""
+    spans = checked_spans(text, spans, at)
     offsets = words_of(text, [cut for span in spans for cut in (span["start"], span["end"])])
     tags = [OUTSIDE] * len(offsets)
     for span in spans:
@@ -131,10 +135,9 @@ def spans_tags(text: str, spans, at: str) -> tuple[list[str], list[str]]:
     return [text[start:end] for start, end in offsets], tags
 
 
-def listed(value) -> list | None:
-    if isinstance(value, (list, tuple, np.ndarray)):
-        return list(value)
-    return None
+def as_list(value) -> list | None:
+    """A JSON or Parquet list cell as a list; None where the cell holds something else."""
+    return list(value) if isinstance(value, (list, tuple, np.ndarray)) else None
 
 
 def row_tags(words, tags, at: str) -> tuple[list[str], list]:
@@ -142,7 +145,7 @@ def row_tags(words, tags, at: str) -> tuple[list[str], list]:
     and its spans."""
     if isinstance(words, str):
         return spans_tags(words, tags, at)
-    words, tags = listed(words), listed(tags)
+    words, tags = as_list(words), as_list(tags)
     if words is None or tags is None:
         raise DataError(f"{at}: words and tags must be lists (or a text and its spans)")
     if len(words) != len(tags):
@@ -165,21 +168,11 @@ def given_rows(uri: str, frame: pd.DataFrame, words_column: str, tags_column: st
     return pd.DataFrame(rows, columns=["words", "tags"], index=frame.index)
 
 
-def tag_id(tag, by_name: dict[str, int]) -> int | None:
-    if isinstance(tag, str):
-        return by_name.get(tag)
-    if isinstance(tag, float) and tag.is_integer():
-        tag = int(tag)
-    if isinstance(tag, (int, np.integer)) and not isinstance(tag, bool) and 0 <= tag < len(by_name):
-        return int(tag)
-    return None
-
-
 def tag_ids(tags: list, names: Sequence[str], scheme: Scheme, at: str) -> list[int]:
     """A row's tags (names or ids) as ids, checked against the names and, for IOB2, strictly: an I-x
     continues a B-x or an I-x."""
     by_name = {name: i for i, name in enumerate(names)}
-    ids = [tag_id(tag, by_name) for tag in tags]
+    ids = [label_id(tag, by_name) for tag in tags]
     if None in ids:
         word = ids.index(None)
         raise DataError(f"{at}: word {word} has tag {tags[word]!r}, not one of {list(names)}")

@@ -174,6 +174,18 @@ def data_rows(splits: dict[str, Split], tokenized: TokenizedSplits, root: str) -
     ]
 
 
+def data_lines(splits: dict[str, Split], outputs: Outputs, root: str) -> list[str]:
+    predictions = outputs.predictions
+    return [
+        "## Data",
+        "",
+        *table(data_rows(splits, outputs.tokenized, root)),
+        "",
+        f"Predictions: {predictions.rows} rows from {predictions.files} file(s).",
+        "",
+    ]
+
+
 def stored(outputs: Outputs, results: Results) -> dict[str, str]:
     """Where each of the run's artifacts is."""
     return {
@@ -223,12 +235,7 @@ def markdown(
         "",
         *task_lines(results.test, images, plot_link),
         *(sentence_lines(splits["test"], results.training.test) if splits["test"].schema.tagged else []),
-        "## Data",
-        "",
-        *table(data_rows(splits, outputs.tokenized, root)),
-        "",
-        f"Predictions: {outputs.predictions.rows} rows from {outputs.predictions.files} file(s).",
-        "",
+        *data_lines(splits, outputs, root),
         "## Timings",
         "",
         *table([{"stage": stage, "seconds": s} for stage, s in seconds.items() if stage != "phases"]),
