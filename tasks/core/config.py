@@ -388,7 +388,8 @@ class FinetuneParams(Strict):
         for that the task does not measure is refused."""
         given = "monitor" in self.train.model_fields_set
         monitor = task_monitor(self.data.task, self.train.monitor, given, "train.monitor")
-        self.train = self.train.model_copy(update={"monitor": monitor})
+        if monitor != self.train.monitor:  # else unset still: a deployment's parameters are what its file sets
+            self.train = self.train.model_copy(update={"monitor": monitor})
         return self
 
     def inputs(self) -> list[str]:

@@ -150,6 +150,7 @@ class SweepParams(FinetuneParams):
         metric = task_monitor(
             self.data.task, self.sweep.metric, "metric" in self.sweep.model_fields_set, "sweep.metric"
         )
-        self.sweep = self.sweep.model_copy(update={"metric": metric})
+        if metric != self.sweep.metric:
+            self.sweep = self.sweep.model_copy(update={"metric": metric})
         self.train = self.train.model_copy(update={"monitor": self.sweep.metric})
         return self
