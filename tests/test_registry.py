@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import shutil
 import threading
 import time
@@ -31,7 +32,7 @@ from tasks.core import layout, storage
 from tasks.core.config import DataConfig, FinetuneParams, PromotionConfig
 from tasks.core.data import load_splits
 from tasks.core.layout import MARKER, RunStore
-from tasks.promote.rescore import score
+from tasks.promote.rescore import predicted, score
 from tasks.promote.task import Decision, promote
 from tasks.report.manifest import Results
 from tasks.report.task import summary as report_summary
@@ -293,3 +294,14 @@ def test_an_unreachable_tracking_server_is_a_warning_not_a_failure(tmp_path, mon
         f"MLflow tracking at http://127.0.0.1:{port} failed, the run goes on: "
     )
     assert "secret" not in warning.getMessage()
+
+
+def test_a_pair_models_champion_is_scored_again_on_its_pairs(tiny_model, task_data, tmp_path):
+    """The re-score read each row's first text alone, which a model of pairs refuses."""
+    model = shutil.copytree(tiny_model, tmp_path / "pairs-model")
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps(config | {"text_pair_truncation": "longest_first"}))
+    files = {f"{split}_uri": task_data["multi_label"][f"{split}_uri"] for split in ("train", "validation", "test")}
+    test = load_splits(DataConfig(**files, text_pair_column="next"))["test"]
+    outputs, truth, _ = predicted(str(model), test, batch_size=32, threads=1)
+    assert outputs.shape == truth.shape == (128, 2)

@@ -72,6 +72,7 @@ def predicted(model_uri: str, split: Split, batch_size: int, threads: int) -> tu
     outputs, truth = [], []
     for uri in split.uris:
         for frame in labelled_frames(uri, split.schema):
-            outputs.append(predictor.outputs(frame["text"].tolist()))
+            pairs = frame["text_pair"].tolist() if "text_pair" in frame else None  # a pair model's champion
+            outputs.append(predictor.outputs(frame["text"].tolist(), pairs))
             truth.append(target_matrix(frame["label"], targets))
     return np.concatenate(outputs), np.concatenate(truth), predictor.thresholds
