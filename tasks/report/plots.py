@@ -119,13 +119,18 @@ def entity_plot(metrics: TokenMetrics, train: Split) -> bytes:
     figure = Figure(figsize=(2 * max(6, 0.5 * len(kinds) + 2) + 1, 4.8))
     bars, matrix = figure.subplots(1, 2)
     where = range(len(kinds))
-    bars.bar(where, [scored.get(kind, 0.0) for kind in kinds], color="C0")
+    f1 = bars.bar(where, [scored.get(kind, 0.0) for kind in kinds], color="C0", label="test entity F1")
     bars.set_xticks(list(where), kinds, rotation=45, ha="right")
-    bars.set(ylim=(0, 1), ylabel="test entity F1", title=f"per type: entity F1 {metrics.entity_f1:.3f}")
+    bars.set(ylim=(0, 1), ylabel="test entity F1")
+    bars.set_title(f"per type: entity F1 {metrics.entity_f1:.3f}", pad=22)
     bars.grid(alpha=0.3, axis="y")
     shares = bars.twinx()
-    shares.plot(where, [counts[kind] for kind in kinds], "o", color="C1")
+    [entities] = shares.plot(where, [counts[kind] for kind in kinds], "o", color="C1", label="training entities")
     shares.set(ylabel="entities in the training split", ylim=(0, max(counts.values(), default=0) * 1.1 + 1))
+    # above the bars, under the title: inside, it hid the dots of the commonest types
+    bars.legend(
+        handles=[f1, entities], loc="lower left", bbox_to_anchor=(0, 1), ncols=2, fontsize="small", frameon=False
+    )
     confusion(matrix, metrics.type_names, metrics.confusion_matrix, "words by entity type (test)")
     matrix.tick_params(axis="x", rotation=45)
     figure.tight_layout()
