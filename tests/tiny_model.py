@@ -75,3 +75,47 @@ def make_tiny_bert(directory: Path, **sizes) -> Path:
         BertForSequenceClassification(config).save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
+
+
+# Decoder families ftflow trains as classifiers, each tiny: two layers, grouped-query attention where
+# the family has it (2 key-value heads for 4 query heads), a head of 8.
+DECODER_SIZES = {
+    "gpt2": {"n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 128},
+    **{
+        family: {
+            "hidden_size": 32,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 8,
+            "intermediate_size": 64,
+            "max_position_embeddings": 128,
+        }
+        for family in ("llama", "mistral", "qwen2", "qwen3", "gemma")
+    },
+}
+
+
+def tiny_bpe_tokenizer(texts: list[str]) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer as decoders have them (GPT-2's, Llama 3's, Qwen's): an end-of-sequence
+    token and no pad token."""
+    from tokenizers import ByteLevelBPETokenizer
+
+    trained = ByteLevelBPETokenizer()
+    trained.train_from_iterator(texts, vocab_size=400, min_frequency=2, special_tokens=["<|endoftext|>"])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=trained._tokenizer, eos_token="<|endoftext|>", bos_token="<|endoftext|>", model_max_length=512
+    )
+
+
+def tiny_decoder(directory: Path, family: str, tokenizer: PreTrainedTokenizerFast) -> Path:
+    """A tiny random sequence classifier of a decoder family, saved with the tokenizer (no pad token)."""
+    special = dict.fromkeys(("bos_token_id", "eos_token_id"), tokenizer.eos_token_id)
+    config = AutoConfig.for_model(
+        family, vocab_size=len(tokenizer), num_labels=2, pad_token_id=None, **special, **DECODER_SIZES[family]
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        AutoModelForSequenceClassification.from_config(config).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory

@@ -22,7 +22,7 @@ from tasks.core.objective import outputs_of
 from tasks.core.scoring import THRESHOLD
 from tasks.core.tagging import OUTSIDE, Tagged, tagged_row, words_and_offsets
 from tasks.core.targets import Targets, task_of
-from tasks.core.text import encoded, first_subtokens, local_model, padded, truncating, windowing, windows
+from tasks.core.text import encoded, first_subtokens, local_model, padded, padding, truncating, windowing, windows
 
 
 class Predictor:
@@ -49,14 +49,17 @@ class Predictor:
             else torch.float32
         )
         with local_model(model_uri) as folder:  # a folder: never the hub
-            tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+            tokenizer = padding(AutoTokenizer.from_pretrained(folder, local_files_only=True), model_uri)
             task = task_of(AutoConfig.from_pretrained(folder, local_files_only=True).to_dict())
             kind = (
                 AutoModelForTokenClassification
                 if task == "token_classification"
                 else AutoModelForSequenceClassification
             )
-            model = kind.from_pretrained(folder, dtype=dtype, local_files_only=True)
+            # a model exported elsewhere may say no pad token: the one ftflow pads with is its
+            model = kind.from_pretrained(
+                folder, dtype=dtype, local_files_only=True, pad_token_id=tokenizer.pad_token_id
+            )
             self.model = model.to(self.device).eval()
         if engine != "deepspeed":  # DeepSpeed replaces the layers whole
             last_layer_at_first_token(self.model)
@@ -76,7 +79,7 @@ class Predictor:
             if task == "token_classification"
             else truncating(tokenizer, max_length, self.targets.pairs or "longest_first")
         )
-        self.pad_id = tokenizer.pad_token_id or 0  # any id does: the attention mask hides it
+        self.pad_id = tokenizer.pad_token_id
 
     @property
     def label_names(self) -> list[str]:

@@ -29,6 +29,20 @@ def local_model(model_uri: str) -> Iterator[str]:
         yield str(storage.download_dir(model_uri, folder))
 
 
+def padding(tokenizer: PreTrainedTokenizerBase, name: str) -> PreTrainedTokenizerBase:
+    """The tokenizer with a pad token, on the right: its own, else its end-of-sequence token, as
+    transformers' recipes give decoders (GPT-2, Llama, Qwen and Mistral tokenizers have none, and their
+    sequence classifiers find the last real token by it: without one, a batch of more than one row
+    failed). On the right, as ftflow pads: a plain transformers loop over an exported model then pads as
+    it was trained (GPT-2's learned positions gave other logits, 0.13 apart, padded on the left)."""
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ValueError(f"{name}: its tokenizer has neither a pad token nor an end-of-sequence token to pad with")
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "right"
+    return tokenizer
+
+
 def truncating(tokenizer: PreTrainedTokenizerBase, max_length: int, pairs: str = "longest_first") -> Tokenizer:
     """The fast tokenizer's Rust core, set to encode as `tokenizer(texts, truncation=pairs,
     max_length=max_length)` does, without padding (`pairs`: which text of a pair loses tokens). Called

@@ -18,7 +18,7 @@ from tasks.core.config import ModelConfig
 from tasks.core.data import Split
 from tasks.core.models import hub_free, model_folder, tokenizer_sha256
 from tasks.core.progress import Tick, tallied
-from tasks.core.text import truncating, windowing
+from tasks.core.text import padding, truncating, windowing
 from tasks.tokenize.worker import SPLITS, Written, shards, write_shard
 
 if TYPE_CHECKING:  # imported where a tokenizer is loaded: see tasks/core/models.py
@@ -68,7 +68,7 @@ def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
         ) from None
     if not tokenizer.is_fast:
         raise ValueError(f"model.name_or_path {name_or_path}: ftflow needs a fast (Rust) tokenizer, tokenizer.json")
-    return tokenizer
+    return padding(tokenizer, f"model.name_or_path {name_or_path}")
 
 
 def tokenize_key(splits: dict[str, Split], name_or_path: str, max_length: int, root: str) -> TokenizeKey:

@@ -24,13 +24,14 @@ from tasks.core.attention import without_cudnn_attention
 from tasks.core.first_token import last_layer_at_first_token
 from tasks.core.models import hub_free
 from tasks.core.targets import Targets
+from tasks.core.text import padding
 from tasks.train import pipeline
 from tasks.train.replica import Replica
 from tasks.train.spec import WorkerSpec
 from tasks.train.watch import Pulse
 
 
-def build_model(spec: WorkerSpec):
+def build_model(spec: WorkerSpec, pad_token_id: int):
     # While this object lives, from_pretrained builds a ZeRO-3 model already partitioned (zero.Init):
     # no worker ever holds the whole model, which is what lets ZeRO-3 fit models that do not fit.
     # transformers 5.23 refuses to load under zero.Init when the config asks for tensor parallelism
@@ -48,6 +49,7 @@ def build_model(spec: WorkerSpec):
         id2label=dict(enumerate(names)),
         label2id={name: i for i, name in enumerate(names)},
         ignore_mismatched_sizes=True,  # a classifier of other outputs (a fine-tuned model's): a new head
+        pad_token_id=pad_token_id,  # what a decoder's classifier finds the last real token by, in its exported config
         **outputs,
         **hub_free(spec.model),
     )
@@ -149,10 +151,10 @@ def setup(spec: WorkerSpec, pulse: Pulse) -> tuple:
     pulse("joining the process group")
     join_process_group(device, spec.train.collective_timeout_s)
     pulse("loading the tokenizer")
-    tokenizer = AutoTokenizer.from_pretrained(spec.model, **hub_free(spec.model))
+    tokenizer = padding(AutoTokenizer.from_pretrained(spec.model, **hub_free(spec.model)), spec.model)
     tokenizer.model_max_length = spec.max_length  # the exported tokenizer truncates as training did
     pulse("loading the model")
-    model = build_model(spec)
+    model = build_model(spec, tokenizer.pad_token_id)
     stages = spec.train.pipeline_parallel_size
     module, names = pipeline.stages(model, stages, spec.train.activation_checkpointing) if stages > 1 else (model, None)
     pulse("building the DeepSpeed engine")  # its first collective (broadcasting the weights) is NCCL's first connection

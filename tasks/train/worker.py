@@ -153,7 +153,7 @@ class Recipe:
         self.progress, self.policy = resume(self.engine, channel), CheckpointPolicy(spec.train)
         self.start_epoch, self.resumed_from = self.progress.epoch, self.engine.global_steps
         self.pad_id, self.meter, self.pin = (
-            self.tokenizer.pad_token_id or 0,
+            self.tokenizer.pad_token_id,
             Meter(self.device, spec.targets.task),
             self.device.type == "cuda",
         )

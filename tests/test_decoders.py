@@ -1,0 +1,73 @@
+"""Decoder language models as classifiers (GPT-2, Llama, Mistral, Qwen2, Qwen3, Gemma), each a tiny random
+config with a byte-level BPE tokenizer that has no pad token: trained on the reviews under ZeRO-0 or ZeRO-3,
+exported, and labelling as a plain transformers loop over the exported folder does."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import read_jsonl
+from test_train import fit
+from tiny_model import tiny_bpe_tokenizer, tiny_decoder
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+from tasks.core.config import DataConfig
+from tasks.core.data import load_splits
+from tasks.core.predictor import Predictor
+from tasks.core.train_config import TrainConfig
+from tasks.tokenize.driver import tokenize_key
+from tasks.tokenize.task import tokenize
+
+# Each family once, at one of the two ZeRO stages whose paths differ (ZeRO-3 builds the model partitioned)
+FAMILIES = {"gpt2": 0, "llama": 3, "mistral": 0, "qwen2": 3, "qwen3": 0, "gemma": 3}
+MAX_LENGTH = 64
+
+
+@pytest.fixture(scope="module")
+def decoders(small_data, tmp_path_factory) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("decoders")
+    tokenizer = tiny_bpe_tokenizer([row["text"] for row in read_jsonl(small_data["train"])])
+    return {family: tiny_decoder(folder / family, family, tokenizer) for family in FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def decoder_shards(ray_cluster, decoders, small_data, tmp_path_factory):
+    """The reviews tokenized once: every family shares the tokenizer."""
+    root = str(tmp_path_factory.mktemp("decoder-store"))
+    uris = {f"{split}_uri": str(path) for split, path in small_data.items()}
+    splits = load_splits(DataConfig(**uris))
+    model, key = str(decoders["llama"]), tokenize_key(splits, str(decoders["llama"]), MAX_LENGTH, root)
+    return root, tokenize.with_options(refresh_cache=not key.shards_exist())(key, splits, model)  # as the flow does
+
+
+def plain_loop(model_dir: Path, texts: list[str]) -> np.ndarray:
+    """Class probabilities as a transformers user gets them from the folder: its tokenizer padding a batch."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForSequenceClassification.from_pretrained(model_dir).eval()
+    inputs = tokenizer(texts, padding=True, truncation=True, max_length=MAX_LENGTH, return_tensors="pt")
+    with torch.no_grad():
+        return model(**inputs).logits.softmax(-1).numpy()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_decoder_classifier_trains_exports_and_labels_as_transformers_does(
+    family, decoders, decoder_shards, small_data
+):
+    root, uris = decoder_shards
+    cfg = TrainConfig(max_steps=4, batch_size=16, eval_every_steps=0, zero_stage=FAMILIES[family])
+    run_dir = Path(root) / "runs" / family
+    fit(uris, decoders[family], cfg, run_dir)
+    model = run_dir / "model"
+    config, tokenizer = json.loads((model / "config.json").read_text()), AutoTokenizer.from_pretrained(model)
+    # no pad token in the tokenizer: it pads with its end-of-sequence token, on the right, and says so
+    assert tokenizer.pad_token == tokenizer.eos_token and tokenizer.padding_side == "right"
+    assert config["pad_token_id"] == tokenizer.eos_token_id and config["architectures"][0].endswith("Classification")
+    texts = [row["text"] for row in read_jsonl(small_data["test"])[:24]]
+    ftflow = Predictor(str(model), batch_size=8).outputs(texts)
+    assert np.allclose(ftflow, plain_loop(model, texts), atol=1e-5), "batch inference's actors label as transformers"
+    alone = np.concatenate([plain_loop(model, [text]) for text in texts[:6]])
+    assert np.allclose(ftflow[:6], alone, atol=1e-5), "padding changes no row's logits: the last real token pools"
