@@ -15,12 +15,15 @@ from test_train import fit
 from tiny_model import tiny_bpe_tokenizer, tiny_decoder
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from tasks.core.config import DataConfig
+from tasks.contracts.training import TrainingJob
+from tasks.core.config import DataConfig, ModelConfig
 from tasks.core.data import load_splits
+from tasks.core.layout import RunStore
 from tasks.core.predictor import Predictor
 from tasks.core.train_config import TrainConfig
 from tasks.tokenize.driver import tokenize_key
 from tasks.tokenize.task import tokenize
+from tasks.train.task import train
 
 # Each family once, at one of the two ZeRO stages whose paths differ (ZeRO-3 builds the model partitioned)
 FAMILIES = {"gpt2": 0, "llama": 3, "mistral": 0, "qwen2": 3, "qwen3": 0, "gemma": 3}
@@ -71,3 +74,46 @@ def test_a_decoder_classifier_trains_exports_and_labels_as_transformers_does(
     assert np.allclose(ftflow, plain_loop(model, texts), atol=1e-5), "batch inference's actors label as transformers"
     alone = np.concatenate([plain_loop(model, [text]) for text in texts[:6]])
     assert np.allclose(ftflow[:6], alone, atol=1e-5), "padding changes no row's logits: the last real token pools"
+
+
+def job_of(data: dict, model: Path, root: str, cfg: TrainConfig, name: str) -> TrainingJob:
+    """A training job on data tokenized by the decoders' tokenizer, as the flow makes one."""
+    splits = load_splits(DataConfig(**data))
+    key = tokenize_key(splits, str(model), MAX_LENGTH, root)
+    shards = tokenize.with_options(refresh_cache=not key.shards_exist())(key, splits, str(model))
+    model_config = ModelConfig(name_or_path=str(model), max_length=MAX_LENGTH)
+    targets = splits["train"].targets
+    return TrainingJob(
+        shards=shards, model=model_config, targets=targets, train=cfg, store=RunStore.at(f"{root}/runs/{name}")
+    )
+
+
+def test_a_decoder_reads_pairs_for_several_labels(decoders, task_data, decoder_shards):
+    """Multi-label on pairs of texts: no token type ids (GPT-2 would add type 1 as the embedding of token 1;
+    its tokenizer gives none), and a score layer without a bias to start at the priors."""
+    root, _ = decoder_shards
+    cfg = TrainConfig(max_steps=4, batch_size=16, eval_every_steps=0)
+    job = job_of(task_data["multi_label"], decoders["gpt2"], root, cfg, "gpt2-pairs")
+    train(job)
+    model, rows = job.store.model_dir, read_jsonl(Path(task_data["multi_label"]["test_uri"]))[:16]
+    texts, pairs = [row["text"] for row in rows], [row["next"] for row in rows]
+    ftflow = Predictor(model, batch_size=8).outputs(texts, pairs)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    plain = AutoModelForSequenceClassification.from_pretrained(model).eval()
+    inputs = tokenizer(texts, pairs, padding=True, truncation=True, max_length=MAX_LENGTH, return_tensors="pt")
+    assert "token_type_ids" not in inputs
+    with torch.no_grad():
+        assert np.allclose(ftflow, plain(**inputs).logits.sigmoid().numpy(), atol=1e-5)
+
+
+def test_a_decoder_tags_words(decoders, entity_data, decoder_shards):
+    """Token classification on a decoder: its byte-level tokenizer reads each word with a space before it."""
+    root, _ = decoder_shards
+    cfg = TrainConfig(max_steps=4, batch_size=16, eval_every_steps=0, zero_stage=3)
+    job = job_of(entity_data["words"], decoders["qwen2"], root, cfg, "qwen2-tags")
+    train(job)
+    rows = read_jsonl(Path(entity_data["words"]["test_uri"]))[:8]
+    tagged = Predictor(job.store.model_dir, batch_size=8).tagged([row["tokens"] for row in rows])
+    assert [len(row.tags) for row in tagged] == [len(row["tokens"]) for row in rows]
+    config = json.loads(Path(job.store.model_dir, "config.json").read_text())
+    assert config["architectures"] == ["Qwen2ForTokenClassification"] and config["window_stride"] == 32

@@ -104,7 +104,11 @@ def tiny_bpe_tokenizer(texts: list[str]) -> PreTrainedTokenizerFast:
     trained = ByteLevelBPETokenizer()
     trained.train_from_iterator(texts, vocab_size=400, min_frequency=2, special_tokens=["<|endoftext|>"])
     return PreTrainedTokenizerFast(
-        tokenizer_object=trained._tokenizer, eos_token="<|endoftext|>", bos_token="<|endoftext|>", model_max_length=512
+        tokenizer_object=trained._tokenizer,
+        eos_token="<|endoftext|>",
+        bos_token="<|endoftext|>",
+        model_max_length=512,
+        model_input_names=["input_ids", "attention_mask"],  # no token type ids, as GPT-2's and Llama's
     )
 
 

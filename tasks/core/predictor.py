@@ -80,6 +80,7 @@ class Predictor:
             else truncating(tokenizer, max_length, self.targets.pairs or "longest_first")
         )
         self.pad_id = tokenizer.pad_token_id
+        self.types = "token_type_ids" in tokenizer.model_input_names  # a pair's: BERT's, not a decoder's
 
     @property
     def label_names(self) -> list[str]:
@@ -131,7 +132,7 @@ class Predictor:
     def padded(self, rows: list[list[int]], lengths: np.ndarray, types: list | None) -> dict[str, torch.Tensor]:
         input_ids, attention_mask = padded(rows, lengths, self.pad_id)
         inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
-        if types is not None:
+        if types is not None and self.types:
             inputs["token_type_ids"] = padded(types, lengths, 0)[0]
         return {name: torch.from_numpy(array).to(self.device) for name, array in inputs.items()}
 

@@ -26,7 +26,7 @@ from tasks.core.models import hub_free
 from tasks.core.targets import Targets
 from tasks.core.text import padding
 from tasks.train import pipeline
-from tasks.train.replica import Replica
+from tasks.train.replica import Replica, model_inputs
 from tasks.train.spec import WorkerSpec
 from tasks.train.watch import Pulse
 
@@ -82,7 +82,10 @@ def start_at_priors(model, targets: Targets) -> None:
     priors = torch.tensor(targets.priors, dtype=torch.float32)
     if targets.task == "multi_label":
         priors = torch.logit(priors.clamp(1e-4, 1 - 1e-4))
-    bias = [module for module in model.classifier.modules() if isinstance(module, torch.nn.Linear)][-1].bias
+    head = model.classifier if hasattr(model, "classifier") else model.score  # an encoder's head, a decoder's
+    bias = [module for module in head.modules() if isinstance(module, torch.nn.Linear)][-1].bias
+    if bias is None:  # a decoder's score layer has none (GPT-2, Llama, Qwen, Mistral, Gemma): it starts at 0
+        return
     with deepspeed.zero.GatheredParameters([bias], modifier_rank=0), torch.no_grad():  # ZeRO-3: partitioned
         bias.copy_(priors.to(bias.dtype))
 
@@ -159,7 +162,8 @@ def setup(spec: WorkerSpec, pulse: Pulse) -> tuple:
     module, names = pipeline.stages(model, stages, spec.train.activation_checkpointing) if stages > 1 else (model, None)
     pulse("building the DeepSpeed engine")  # its first collective (broadcasting the weights) is NCCL's first connection
     engine, *_ = deepspeed.initialize(model=module, model_parameters=param_groups(module), config=spec.deepspeed)
-    return engine, device, tokenizer, Replica(engine, spec.plan.accumulation, model.config, names)
+    replica = Replica(engine, spec.plan.accumulation, model.config, model_inputs(tokenizer), names)
+    return engine, device, tokenizer, replica
 
 
 def engine_line(engine, device: torch.device, seconds: float) -> str:

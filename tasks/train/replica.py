@@ -17,16 +17,23 @@ def on(device: torch.device, tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to(device, non_blocking=True)  # from pinned memory: asynchronous, in order on the stream
 
 
-def logits_of(engine, batch: dict, device: torch.device) -> torch.Tensor:
-    inputs = {
-        name: on(device, batch[name]) for name in ("input_ids", "attention_mask", "token_type_ids") if name in batch
-    }
-    return engine(**inputs).logits
+MODEL_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 
 
-def forward(engine, batch: dict, device: torch.device, config) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def model_inputs(tokenizer) -> tuple[str, ...]:
+    """What a model reads of a batch, as its tokenizer names them: a pair's token type ids only where it
+    has them (BERT's; GPT-2's would be looked up as tokens, Llama's forward has none)."""
+    return tuple(name for name in MODEL_INPUTS if name != "token_type_ids" or name in tokenizer.model_input_names)
+
+
+def logits_of(engine, batch: dict, device: torch.device, inputs: tuple[str, ...]) -> torch.Tensor:
+    return engine(**{name: on(device, batch[name]) for name in inputs if name in batch}).logits
+
+
+def forward(engine, batch: dict, device: torch.device, config, inputs: tuple[str, ...]) -> tuple:
     """(mean loss over the batch's real rows, logits, labels); padding rows count for nothing."""
-    labels, logits, real = on(device, batch["labels"]), logits_of(engine, batch, device), real_rows(batch["row"])
+    labels, real = on(device, batch["labels"]), real_rows(batch["row"])
+    logits = logits_of(engine, batch, device, inputs)
     return mean_loss(logits, labels, config, None if real is None else on(device, real)), logits, labels
 
 
@@ -39,10 +46,11 @@ class Replica:
     that holds the logits speaks for the replica in the metrics (the first of a tensor-parallel
     group, a pipeline's last stage)."""
 
-    def __init__(self, engine, accumulation: int, config, names: dict[int, str] | None = None):
+    def __init__(self, engine, accumulation: int, config, inputs: tuple[str, ...], names: dict[int, str] | None = None):
         from deepspeed.utils import groups
 
         self.engine, self.accumulation, self.names, self.config = engine, accumulation, names, config
+        self.inputs = inputs  # model_inputs
         self.pending: list[dict] = []  # a pipeline's micro-batches of the step to come
         self.head = pipeline.head(engine) if names is not None else None  # a pipeline's last stage's head
         if names is not None:  # pipeline stages (tasks/train/pipeline.py)
@@ -83,7 +91,7 @@ class Replica:
         if self.names is None:
             # save_on_cpu keeps the tensors autograd saves for backward in host memory until needed.
             with torch.autograd.graph.save_on_cpu(pin_memory=True) if offload else nullcontext(), alone():
-                loss, logits, labels = forward(self.engine, batch, device, self.config)
+                loss, logits, labels = forward(self.engine, batch, device, self.config, self.inputs)
                 self.engine.backward(loss)
             self.engine.step()  # an optimizer step only at the end of an accumulation cycle
             yield loss, logits, labels, batch["row"]
@@ -102,7 +110,7 @@ class Replica:
     def logits(self, batch: dict, device: torch.device) -> torch.Tensor | None:
         """Eval-mode logits of a micro-batch, on the ranks that hold them."""
         if self.names is None:
-            return logits_of(self.engine, batch, device)
+            return logits_of(self.engine, batch, device, self.inputs)
         _, logits = self.engine.eval_batch(
             iter([self.pipe_inputs(batch, device)]), return_logits=True, num_micro_batches=1
         )
