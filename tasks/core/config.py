@@ -383,13 +383,12 @@ class FinetuneParams(Strict):
 
     @model_validator(mode="after")
     def _monitor_of_the_task(self) -> FinetuneParams:
-        """keep_best and early stopping watch what the task measures: its default where the default
-        val_accuracy is not (regression's val_loss, token_classification's val_entity_f1); one asked
-        for that the task does not measure is refused."""
-        given = "monitor" in self.train.model_fields_set
-        monitor = task_monitor(self.data.task, self.train.monitor, given, "train.monitor")
-        if monitor != self.train.monitor:  # else unset still: a deployment's parameters are what its file sets
-            self.train = self.train.model_copy(update={"monitor": monitor})
+        """keep_best and early stopping watch what the task measures (by default regression's val_loss,
+        token_classification's val_entity_f1); one asked for that the task does not measure is refused."""
+        train = self.train
+        monitor = task_monitor(self.data.task, train.monitor, "monitor" in train.model_fields_set, "train.monitor")
+        if monitor != train.monitor:  # else unset still: a deployment's parameters are what its file sets
+            self.train = train.model_copy(update={"monitor": monitor})
         return self
 
     def inputs(self) -> list[str]:
