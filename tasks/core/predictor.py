@@ -22,7 +22,17 @@ from tasks.core.objective import outputs_of
 from tasks.core.scoring import THRESHOLD
 from tasks.core.tagging import OUTSIDE, Tagged, tagged_row, words_and_offsets
 from tasks.core.targets import Targets, task_of
-from tasks.core.text import encoded, first_subtokens, local_model, padded, padding, truncating, windowing, windows
+from tasks.core.text import (
+    encoded,
+    first_subtokens,
+    local_model,
+    model_inputs,
+    padded,
+    padding,
+    truncating,
+    windowing,
+    windows,
+)
 
 
 class Predictor:
@@ -80,7 +90,7 @@ class Predictor:
             else truncating(tokenizer, max_length, self.targets.pairs or "longest_first")
         )
         self.pad_id = tokenizer.pad_token_id
-        self.types = "token_type_ids" in tokenizer.model_input_names  # a pair's: BERT's, not a decoder's
+        self.types = "token_type_ids" in model_inputs(self.model.config)  # a pair's: BERT's, not a decoder's
 
     @property
     def label_names(self) -> list[str]:

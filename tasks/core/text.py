@@ -43,6 +43,14 @@ def padding(tokenizer: PreTrainedTokenizerBase, name: str) -> PreTrainedTokenize
     return tokenizer
 
 
+def model_inputs(config) -> tuple[str, ...]:
+    """What a model reads of a batch: a pair's token type ids only where it embeds two segments (BERT's
+    type_vocab_size 2). GPT-2 would look them up as tokens, Llama's forward has no use for them, RoBERTa's
+    one type is 0."""
+    segments = getattr(config, "type_vocab_size", 0) or 0
+    return ("input_ids", "attention_mask", "token_type_ids") if segments > 1 else ("input_ids", "attention_mask")
+
+
 def truncating(tokenizer: PreTrainedTokenizerBase, max_length: int, pairs: str = "longest_first") -> Tokenizer:
     """The fast tokenizer's Rust core, set to encode as `tokenizer(texts, truncation=pairs,
     max_length=max_length)` does, without padding (`pairs`: which text of a pair loses tokens). Called

@@ -26,7 +26,7 @@ from tasks.core.models import hub_free
 from tasks.core.targets import Targets
 from tasks.core.text import padding
 from tasks.train import pipeline
-from tasks.train.replica import Replica, model_inputs
+from tasks.train.replica import Replica
 from tasks.train.spec import WorkerSpec
 from tasks.train.watch import Pulse
 
@@ -162,8 +162,7 @@ def setup(spec: WorkerSpec, pulse: Pulse) -> tuple:
     module, names = pipeline.stages(model, stages, spec.train.activation_checkpointing) if stages > 1 else (model, None)
     pulse("building the DeepSpeed engine")  # its first collective (broadcasting the weights) is NCCL's first connection
     engine, *_ = deepspeed.initialize(model=module, model_parameters=param_groups(module), config=spec.deepspeed)
-    replica = Replica(engine, spec.plan.accumulation, model.config, model_inputs(tokenizer), names)
-    return engine, device, tokenizer, replica
+    return engine, device, tokenizer, Replica(engine, spec.plan.accumulation, model.config, names)
 
 
 def engine_line(engine, device: torch.device, seconds: float) -> str:

@@ -10,20 +10,12 @@ import torch
 import torch.distributed as dist
 
 from tasks.core.objective import mean_loss, real_rows
+from tasks.core.text import model_inputs
 from tasks.train import pipeline
 
 
 def on(device: torch.device, tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to(device, non_blocking=True)  # from pinned memory: asynchronous, in order on the stream
-
-
-MODEL_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
-
-
-def model_inputs(tokenizer) -> tuple[str, ...]:
-    """What a model reads of a batch, as its tokenizer names them: a pair's token type ids only where it
-    has them (BERT's; GPT-2's would be looked up as tokens, Llama's forward has none)."""
-    return tuple(name for name in MODEL_INPUTS if name != "token_type_ids" or name in tokenizer.model_input_names)
 
 
 def logits_of(engine, batch: dict, device: torch.device, inputs: tuple[str, ...]) -> torch.Tensor:
@@ -46,11 +38,11 @@ class Replica:
     that holds the logits speaks for the replica in the metrics (the first of a tensor-parallel
     group, a pipeline's last stage)."""
 
-    def __init__(self, engine, accumulation: int, config, inputs: tuple[str, ...], names: dict[int, str] | None = None):
+    def __init__(self, engine, accumulation: int, config, names: dict[int, str] | None = None):
         from deepspeed.utils import groups
 
         self.engine, self.accumulation, self.names, self.config = engine, accumulation, names, config
-        self.inputs = inputs  # model_inputs
+        self.inputs = model_inputs(config)
         self.pending: list[dict] = []  # a pipeline's micro-batches of the step to come
         self.head = pipeline.head(engine) if names is not None else None  # a pipeline's last stage's head
         if names is not None:  # pipeline stages (tasks/train/pipeline.py)
