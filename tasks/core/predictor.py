@@ -20,7 +20,7 @@ from tasks.core.config import InferenceEngine
 from tasks.core.first_token import last_layer_at_first_token
 from tasks.core.objective import outputs_of
 from tasks.core.scoring import THRESHOLD
-from tasks.core.tagging import OUTSIDE, Tagged, tagged_row, words_and_offsets
+from tasks.core.tagging import OUTSIDE, Chosen, Tagged, keep_farthest, tagged_row, words_and_offsets
 from tasks.core.targets import Targets, task_of
 from tasks.core.text import (
     encoded,
@@ -128,14 +128,14 @@ class Predictor:
         ]
         lengths = np.array([len(encoding.ids) for _, encoding in encodings], dtype=np.int64)
         order = np.argsort(lengths, kind="stable")
-        best: list[dict[int, tuple[int, int, float]]] = [{} for _ in rows]
+        best: list[Chosen] = [{} for _ in rows]
         for start in range(0, len(encodings), self.batch_size):
             chunk = order[start : start + self.batch_size]
             inputs = self.padded([encodings[i][1].ids for i in chunk], lengths[chunk], None)
             scores, tags = outputs_of(self.forward(**inputs).logits, self.targets.task).max(-1)  # on the device
             for i, window_tags, window_scores in zip(chunk, tags.tolist(), scores.tolist(), strict=True):
                 row, encoding = encodings[i]
-                keep_farthest(best[row], encoding, window_tags, window_scores)
+                keep_farthest(best[row], first_subtokens(encoding), window_tags, window_scores)
         outside = self.targets.names.index(OUTSIDE)
         return [tagged_row(*found, best[row], self.targets.names, outside) for row, found in enumerate(words)]
 
@@ -156,14 +156,3 @@ def runner(model: torch.nn.Module, engine: InferenceEngine, dtype: torch.dtype) 
 
         return deepspeed.init_inference(model, dtype=dtype, replace_with_kernel_inject=True)
     return model
-
-
-def keep_farthest(best: dict[int, tuple[int, int, float]], encoding, tags: list[int], scores: list[float]) -> None:
-    """A window's words (its tokens' most probable tags and their probabilities) into a row's predictions,
-    word -> (distance from the window's nearer edge, tag, probability), where the window holds the word
-    farther from an edge than any before it."""
-    last = len(encoding.ids) - 1
-    for position, word in enumerate(first_subtokens(encoding)):
-        distance = min(position, last - position)
-        if word >= 0 and (word not in best or distance > best[word][0]):
-            best[word] = (distance, tags[position], scores[position])

@@ -206,6 +206,22 @@ def tag_names(found: set, at: str) -> tuple[str, ...]:
     return (OUTSIDE, *sorted(found - {OUTSIDE}))
 
 
+# A row's prediction of each word its windows start: word -> (distance from the window's nearer edge, tag
+# id, probability), from the window where the word sits farthest from an edge (where it sees the most context).
+Chosen = dict[int, tuple[int, int, float]]
+
+
+def keep_farthest(chosen: Chosen, starts: Sequence[int], tags: Sequence[int], scores: Sequence[float]) -> None:
+    """One window into its row's predictions: per token, the word it starts (-1: none; tasks/core/text.py
+    first_subtokens), its most probable tag and that tag's probability. A word is taken from this window
+    where it sits farther from an edge than in any window before (of equals, the first)."""
+    last = len(starts) - 1
+    for position, word in enumerate(starts):
+        distance = min(position, last - position)
+        if word >= 0 and (word not in chosen or distance > chosen[word][0]):
+            chosen[word] = (distance, tags[position], scores[position])
+
+
 class Tagged(NamedTuple):
     """A row as a token classifier labels it (batch inference): its text, its entities, each a dict of
     text, label, start and end (character offsets into the text) and score (its words' mean
@@ -234,7 +250,7 @@ def tagged_row(
     offsets: list[tuple[int, int]],
     text: str,
     as_words: bool,
-    best: dict[int, tuple[int, int, float]],
+    best: Chosen,
     names: Sequence[str],
     outside: int,
 ) -> Tagged:

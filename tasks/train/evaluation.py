@@ -10,14 +10,14 @@ import torch.distributed as dist
 
 from tasks.contracts.training import Predictions
 from tasks.core.objective import mean_loss, outputs_of, real_rows
-from tasks.core.tagging import OUTSIDE
+from tasks.core.tagging import OUTSIDE, Chosen, keep_farthest
 from tasks.train.batches import evaluation_batches
 from tasks.train.replica import Replica
 from tasks.train.spec import WorkerSpec
 
-# A window's words, as evaluation gathers them: (row, the row's true tags, [(word, distance from the
-# window's nearer edge, predicted tag id)]).
-WindowWords = tuple[int, list[int], list[tuple[int, int, int]]]
+# A window as evaluation gathers it: (row, the row's true tags, per token the word it starts (-1: none),
+# its most probable tag, that tag's probability).
+Window = tuple[int, list[int], list[int], list[int], list[float]]
 
 
 @torch.no_grad()
@@ -58,29 +58,26 @@ def row_outputs(logits: torch.Tensor, batch: dict, real: torch.Tensor, task: str
     return list(zip(numbers, outputs, batch["labels"][real].tolist(), strict=True))
 
 
-def window_words(logits: torch.Tensor, batch: dict, real: torch.Tensor) -> list[WindowWords]:
-    """Each real window of a micro-batch: its row, the row's true tags, and each word it starts with its
-    predicted tag and its distance from the window's nearer edge (its tokens' first or last)."""
-    tags, lengths, found = logits.argmax(-1), batch["attention_mask"].sum(1), []
+def window_words(logits: torch.Tensor, batch: dict, real: torch.Tensor) -> list[Window]:
+    """Each real window of a micro-batch, its padding cut off: its row, the row's true tags, and per token
+    the word it starts, its most probable tag and that tag's probability."""
+    scores, tags = logits.softmax(-1).max(-1)
+    found, lengths = [], batch["attention_mask"].sum(1).tolist()
     for i in torch.nonzero(real).flatten().tolist():
-        positions = torch.nonzero(batch["words"][i] >= 0).flatten()
-        distances = torch.minimum(positions, lengths[i] - 1 - positions)
-        words = zip(batch["words"][i][positions].tolist(), distances.tolist(), tags[i][positions].tolist(), strict=True)
-        found.append((int(batch["row"][i]), batch["tags"][i], list(words)))
+        length = lengths[i]
+        starts, window_tags, window_scores = (values[i][:length].tolist() for values in (batch["words"], tags, scores))
+        found.append((int(batch["row"][i]), batch["tags"][i], starts, window_tags, window_scores))
     return found
 
 
-def joined_windows(windows: list[WindowWords], outside: int) -> Predictions:
-    """Rows of windows as one prediction per word: from the window where the word is farthest from an
-    edge (of equals, the first gathered). A word no window holds a sub-token of (a character the
-    tokenizer drops) is predicted O."""
-    best: dict[int, dict[int, tuple[int, int]]] = {}
+def joined_windows(windows: list[Window], outside: int) -> Predictions:
+    """Rows of windows as one prediction per word, in the order gathered (keep_farthest). A word no
+    window holds a sub-token of (a character the tokenizer drops) is predicted O."""
+    best: dict[int, Chosen] = {}
     gold: dict[int, list[int]] = {}
-    for row, tags, words in windows:
-        gold[row], chosen = tags, best.setdefault(row, {})
-        for word, distance, tag in words:
-            if word not in chosen or distance > chosen[word][0]:
-                chosen[word] = (distance, tag)
+    for row, tags, starts, window_tags, window_scores in windows:
+        gold[row] = tags
+        keep_farthest(best.setdefault(row, {}), starts, window_tags, window_scores)
     rows = sorted(gold)
-    tags = [[best[row].get(word, (0, outside))[1] for word in range(len(gold[row]))] for row in rows]
+    tags = [[best[row].get(word, (0, outside, 0.0))[1] for word in range(len(gold[row]))] for row in rows]
     return Predictions(task="token_classification", tags=tags, gold=[gold[row] for row in rows])
