@@ -55,8 +55,12 @@ def validation_rows(uri: str) -> list[dict]:
 
 
 def logits_of(model_dir: Path, rows: list[dict]) -> torch.Tensor:
-    model = AutoModelForSequenceClassification.from_pretrained(model_dir).eval()
-    pad = AutoTokenizer.from_pretrained(model_dir).pad_token_id
+    model = AutoModelForSequenceClassification.from_pretrained(model_dir)
+    return model_logits(model, AutoTokenizer.from_pretrained(model_dir).pad_token_id, rows)
+
+
+def model_logits(model: torch.nn.Module, pad: int, rows: list[dict]) -> torch.Tensor:
+    model.eval()
     logits = []
     with torch.no_grad():
         for start in range(0, len(rows), 32):

@@ -193,6 +193,8 @@ class Result(BaseModel):
     layer_parameter_mb: float | None = (
         None  # the encoder layers' parameters rank 0 holds: what tensor parallelism and ZeRO-3 split
     )
+    parameters: int | None = None  # the model's, a ZeRO-3 partition at its full size, a split model's on rank 0
+    trained_parameters: int | None = None  # those the optimizer stepped: fewer than parameters under LoRA
     marks: Marks | None = None  # when the last attempt reached each point
     cluster: ClusterInfo | None = None  # the cluster that trained, added by the driver
     strategy: Choice | None = None  # what strategy=auto chose and why, added by the driver

@@ -203,6 +203,7 @@ class RunStore:
         {
             "train",
             "model",
+            "adapter",
             "metrics.json",
             "predictions",
             "report",
@@ -264,6 +265,11 @@ class RunStore:
     @property
     def model_dir(self) -> str:
         return join(self.base, "model")
+
+    @property
+    def adapter_dir(self) -> str:
+        """A LoRA run's adapter alone (peft's folder), beside the merged model."""
+        return join(self.base, "adapter")
 
     @property
     def metrics(self) -> str:

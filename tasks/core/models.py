@@ -121,6 +121,11 @@ def check_parallelism(cfg: TrainConfig, model: ModelConfig, task: str) -> None:
     if cfg.model_parallel == 1:
         return
     name, size = cfg.split_field, cfg.model_parallel
+    if cfg.lora:
+        raise ValueError(
+            f"train.{name}={size} with train.lora: ftflow trains adapters with data parallelism and ZeRO 0-3 "
+            "(ZeRO-3 partitions a frozen base model as it does a whole one): set it to 1"
+        )
     if task == "token_classification":
         raise ValueError(
             f"train.{name}={size}: ftflow splits sequence classifiers only; a token classifier trains with data "

@@ -4,6 +4,7 @@ anything starts, so a trial never fails on a value the search could have refused
 
 from __future__ import annotations
 
+from functools import reduce
 from typing import Any, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
@@ -132,7 +133,8 @@ class SweepParams(FinetuneParams):
             taken = []
             for point in distribution.points():
                 try:
-                    taken.append(getattr(TrainConfig.model_validate({**base, name: point}), name))
+                    cfg = TrainConfig.model_validate(with_drawn(base, {name: point}))
+                    taken.append(reduce(getattr, name.split("."), cfg))
                 except ValidationError as error:
                     raise ValueError(f"sweep.space.train.{name}: {point!r}: {one_line(error)}") from None
             if distribution.choice is not None:
@@ -154,3 +156,13 @@ class SweepParams(FinetuneParams):
             self.sweep = self.sweep.model_copy(update={"metric": metric})
         self.train = self.train.model_copy(update={"monitor": self.sweep.metric})
         return self
+
+
+def with_drawn(train: dict, drawn: dict[str, Any]) -> dict:
+    """train.* fields with a trial's drawn values. A dotted name (lora.r) sets a field of a section, which
+    the draw gives its defaults where the run has none: a search over lora.r trains LoRA adapters."""
+    fields = dict(train)
+    for name, value in drawn.items():
+        section, dot, field = name.partition(".")
+        fields[section] = {**(fields.get(section) or {}), field: value} if dot else value
+    return fields

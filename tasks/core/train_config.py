@@ -36,6 +36,20 @@ def task_monitor(task: str, monitor: Monitor, given: bool, field: str) -> Monito
     return monitor
 
 
+class Lora(Strict):
+    """LoRA (peft): low-rank adapters beside the model's linear layers train, the rest stays frozen; the new
+    classifier (and any module the checkpoint did not have, as DeBERTa's pooler) trains in full."""
+
+    r: int = Field(8, ge=1, description="The rank of each adapter (its two matrices are r x in and out x r).")
+    alpha: float = Field(16, gt=0, description="The adapters' scale: their output is multiplied by alpha / r.")
+    dropout: float = Field(0.05, ge=0, lt=1, description="Dropout on each adapter's input.")
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        "all-linear",
+        description="The linear layers to adapt, by their names in the model (query, value; q_proj, v_proj; a "
+        "dotted path's end); all-linear: every attention and MLP projection (peft's), the classifier excepted.",
+    )
+
+
 class TrainConfig(Strict):
     """Training, with every DeepSpeed memory and speed feature; tasks/train/driver.py derives the DeepSpeed JSON."""
 
@@ -87,6 +101,9 @@ class TrainConfig(Strict):
         "layers each (DeepSpeed's pipeline engine; embeddings with the first, the "
         "classifier with the last), fed with micro-batches: the workers are this x "
         "data-parallel replicas. ZeRO 0-1.",
+    )
+    lora: Lora | None = Field(
+        None, description="Train LoRA adapters instead of every weight (tasks/train/lora.py); None: full fine-tuning."
     )
     activation_checkpointing: bool = Field(
         False, description="Recompute activations in the backward pass instead of storing them."

@@ -193,6 +193,7 @@ def step_checks() -> list[Check]:
         batches_per_epoch=1,
         max_steps=1,
         model_uri="",
+        adapter_uri="",
     )  # nothing is exported
     reports = Queue(actor_options={"num_cpus": 0})  # Ray Train returns nothing of the workers'
     trainer = Trainer(

@@ -13,6 +13,7 @@ from ray.tune.integration.ray_train import TuneReportCallback
 
 from tasks.contracts.training import TrainingJob
 from tasks.core.progress import say
+from tasks.core.sweep_config import with_drawn
 from tasks.core.train_config import TrainConfig
 from tasks.train import trained
 
@@ -39,6 +40,6 @@ def run_trial(drawn: dict, job: TrainingJob, channel: str) -> None:
     """Ray Tune's trainable: `drawn` holds the trial's values of the searched fields. A trial run again
     (the sweep re-run, or retried) resumes from its checkpoints, in its folder."""
     trial_id = tune.get_context().get_trial_id()
-    cfg = TrainConfig.model_validate({**job.train.model_dump(), **drawn})
+    cfg = TrainConfig.model_validate(with_drawn(job.train.model_dump(), drawn))
     trial = job.model_copy(update={"train": cfg, "store": job.store.trial(trial_id)})
     trained(trial_logger(channel, trial_id), trial, (TuneReportCallback(),))

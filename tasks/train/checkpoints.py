@@ -21,6 +21,8 @@ from tasks.contracts.training import SCORE, STATE_FILE, UNVALIDATED, Curve, Kept
 from tasks.core import storage
 from tasks.core.progress import say
 from tasks.core.train_config import TrainConfig
+from tasks.train.engine import loaded
+from tasks.train.lora import merged
 from tasks.train.replica import Replica
 from tasks.train.spec import Progress, WorkerSpec
 
@@ -60,10 +62,10 @@ def export(replica: Replica, tokenizer, spec: WorkerSpec, result: Result) -> Non
     evaluation and inference choose their own precision at load."""
     model, weights = replica.exported()
     if dist.get_rank() == 0:
-        weights = {
-            name: tensor.float() if tensor.is_floating_point() else tensor
-            for name, tensor in (weights or model.state_dict()).items()
-        }
+        weights = weights or model.state_dict()
+        if spec.train.lora:  # one folder with the adapters merged into the checkpoint's own weights
+            model, weights = merged(model, weights, loaded(spec, tokenizer.pad_token_id)[0], spec.adapter_uri)
+        weights = {name: tensor.float() if tensor.is_floating_point() else tensor for name, tensor in weights.items()}
         config = copy.deepcopy(model.config)
         config.dtype = torch.float32  # transformers takes the saved dtype from the module's parameters
         # What it is (a token classifier, a sequence classifier), as model.save_pretrained writes it: the copy

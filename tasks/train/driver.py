@@ -109,6 +109,7 @@ def worker_spec(job: TrainingJob, cfg: TrainConfig, the_plan: Plan, train_count:
         batches_per_epoch=batches_per_epoch,
         max_steps=max_steps,
         model_uri=job.store.model_dir,
+        adapter_uri=job.store.adapter_dir,
         evaluation=evaluation,
     )
 

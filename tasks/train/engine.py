@@ -26,6 +26,7 @@ from tasks.core.models import hub_free
 from tasks.core.targets import Targets
 from tasks.core.text import padding
 from tasks.train import pipeline
+from tasks.train.lora import adapted, parameter_counts
 from tasks.train.replica import Replica
 from tasks.train.spec import WorkerSpec
 from tasks.train.watch import Pulse
@@ -41,24 +42,33 @@ def build_model(spec: WorkerSpec, pad_token_id: int):
     # a fine-tuned model trained to other outputs is loaded whole too, and partitioned by the engine.
     partitioned = spec.train.zero_stage == 3 and spec.train.tensor_parallel_size == 1 and head_fits(spec)
     zero_init = HfDeepSpeedConfig(spec.deepspeed) if partitioned else None  # noqa: F841 (kept alive)
+    model, loading = loaded(spec, pad_token_id)
+    if spec.targets.task != "token_classification":  # a token classifier reads every token's last layer
+        start_at_priors(model, spec.targets)
+        last_layer_at_first_token(model)
+    if spec.train.activation_checkpointing and spec.train.pipeline_parallel_size == 1:  # stages checkpoint their own
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if spec.train.lora:
+        model = adapted(model, spec.train.lora, spec.targets.task, loading["missing_keys"])
+    return model
+
+
+def loaded(spec: WorkerSpec, pad_token_id: int) -> tuple[torch.nn.Module, dict]:
+    """The checkpoint as a classifier of the targets, and transformers' loading info (its missing keys:
+    the weights the checkpoint did not have, which LoRA trains in full)."""
     names, tagged = spec.targets.names, spec.targets.task == "token_classification"
     outputs = {"problem_type": spec.targets.problem_type} if not tagged else {}  # the loss (tasks/core/objective.py)
-    model = (AutoModelForTokenClassification if tagged else AutoModelForSequenceClassification).from_pretrained(
+    return (AutoModelForTokenClassification if tagged else AutoModelForSequenceClassification).from_pretrained(
         spec.model,
         num_labels=len(names),
         id2label=dict(enumerate(names)),
         label2id={name: i for i, name in enumerate(names)},
         ignore_mismatched_sizes=True,  # a classifier of other outputs (a fine-tuned model's): a new head
         pad_token_id=pad_token_id,  # what a decoder's classifier finds the last real token by, in its exported config
+        output_loading_info=True,
         **outputs,
         **hub_free(spec.model),
     )
-    if not tagged:  # a token classifier reads every token's last layer
-        start_at_priors(model, spec.targets)
-        last_layer_at_first_token(model)
-    if spec.train.activation_checkpointing and spec.train.pipeline_parallel_size == 1:  # stages checkpoint their own
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return model
 
 
 def head_fits(spec: WorkerSpec) -> bool:
@@ -91,8 +101,9 @@ def start_at_priors(model, targets: Targets) -> None:
 
 
 def param_groups(model) -> list[dict]:
-    """Weight decay for weight matrices only, as BERT-style recipes do."""
-    named = list(model.named_parameters())
+    """Weight decay for weight matrices only, as BERT-style recipes do; frozen parameters (LoRA's base
+    model) in neither group."""
+    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     return [
         {"params": [p for _, p in named if p.ndim > 1]},
         {"params": [p for _, p in named if p.ndim <= 1], "weight_decay": 0.0},
@@ -167,4 +178,9 @@ def setup(spec: WorkerSpec, pulse: Pulse) -> tuple:
 
 def engine_line(engine, device: torch.device, seconds: float) -> str:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    return f"rank 0: engine built on {device} ({name}), {precision_of(engine)}, ZeRO-{engine.zero_optimization_stage()}, in {seconds:.1f} s"
+    every, trained = parameter_counts(engine.module)
+    share = f", {trained / 1e6:.2f} M of {every / 1e6:.1f} M parameters trained" if trained < every else ""
+    return (
+        f"rank 0: engine built on {device} ({name}), {precision_of(engine)}, ZeRO-{engine.zero_optimization_stage()}"
+        f"{share}, in {seconds:.1f} s"
+    )

@@ -42,6 +42,7 @@ class WorkerSpec(BaseModel):
     batches_per_epoch: int  # micro-batches per worker and epoch, the same on every worker
     max_steps: int  # optimizer steps of the whole run
     model_uri: str  # where rank 0 writes the consolidated model
+    adapter_uri: str  # where rank 0 writes the LoRA adapter alone (train.lora)
     # the shards of validation, and of the test split where there is one: the trained engine labels it (Result.test)
     evaluation: dict[str, str] = {}
     channel: str | None = None  # the driver's progress channel (tasks/core/progress.py), once it listens

@@ -40,6 +40,7 @@ from tasks.train.batches import training_batches
 from tasks.train.checkpoints import CheckpointPolicy, export, resume, save
 from tasks.train.engine import engine_line, setup
 from tasks.train.evaluation import predicted
+from tasks.train.lora import parameter_counts
 from tasks.train.replica import on
 from tasks.train.spec import WorkerSpec
 from tasks.train.stream import drawn
@@ -305,6 +306,7 @@ class Recipe:
         )
         self.marks.test_labelled = time.time()
         self.pulse("exporting the model", engine.global_steps)
+        parameters, trained = parameter_counts(engine.module)
         result = Result(
             history=self.progress.history,
             curve=self.progress.curve,
@@ -312,6 +314,8 @@ class Recipe:
             test=test,
             nodes=self.nodes,
             layer_parameter_mb=layer_parameter_mb(self.replica.layers()),
+            parameters=parameters,
+            trained_parameters=trained,
             marks=self.marks,
             stopped=stopped,
             kept=kept,

@@ -74,6 +74,10 @@ def run_inputs(params: FinetuneParams, store: RunStore | None) -> RunInputs:
     splits = splits_of(params.data)
     training_model(params.model.name_or_path)
     check_parallelism(params.train, params.model, params.data.task)  # in the flow, after Prefect's server: 5-11 s
+    if params.train.lora:
+        from tasks.train.lora import check_targets  # peft and transformers, imported for LoRA runs alone
+
+        check_targets(params.train.lora, params.model.name_or_path, params.data.task)
     inference = params.inference.model_copy(update=inference_defaults(params, splits["test"]))
     inputs = RunInputs(splits, inference, files_to_label(inference))
     check_writable(params.storage_root, "storage_root")

@@ -1,0 +1,103 @@
+"""LoRA through peft: adapters on a model's linear layers, the new head trained in full, and the
+export: one Hugging Face folder with the adapters merged (what `ftflow infer` and transformers load
+as they are), and the adapter alone beside it (peft's own folder, the head in it).
+
+peft's merge is not ZeRO-aware (a ZeRO-3 worker holds a shard of each weight), so rank 0 merges the
+trained adapters and head, from the consolidated weights, into the checkpoint loaded afresh on its CPU.
+Worker side, but for `check_targets`, which the command's checks
+call before any cluster work: imports no Prefect.
+"""
+
+from __future__ import annotations
+
+import tempfile
+
+import torch
+from peft import LoraConfig, PeftModel, TaskType, get_peft_model
+
+from tasks.core import storage
+from tasks.core.train_config import Lora
+
+
+def peft_config(lora: Lora, task: str, new_modules: list[str]) -> LoraConfig:
+    """peft's config for `lora`: `new_modules`, those the checkpoint did not have (the head, DeBERTa's
+    pooler), train in full beside peft's own classifier names (classifier, score)."""
+    return LoraConfig(
+        task_type=TaskType.TOKEN_CLS if task == "token_classification" else TaskType.SEQ_CLS,
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=lora.target_modules,
+        modules_to_save=new_modules or None,
+    )
+
+
+def new_modules(missing_keys: list[str]) -> list[str]:
+    """The modules whose weights from_pretrained did not find in the checkpoint: initialised at random,
+    they must train in full (an adapter on a random matrix learns little)."""
+    return sorted({key.rpartition(".")[0] for key in missing_keys if "." in key})
+
+
+def adapted(model: torch.nn.Module, lora: Lora, task: str, missing_keys: list[str]) -> PeftModel:
+    """`model` with adapters, everything else frozen. Under ZeRO-3 the base model is already partitioned:
+    the adapters are plain parameters, which DeepSpeed partitions at initialize, and peft gathers a
+    partitioned head to copy it (its ModulesToSaveWrapper). The adapters keep the model's dtype
+    (autocast_adapter_dtype=False): the engine sets the training precision of every parameter."""
+    return get_peft_model(model, peft_config(lora, task, new_modules(missing_keys)), autocast_adapter_dtype=False)
+
+
+def parameter_counts(model: torch.nn.Module) -> tuple[int, int]:
+    """(all, trained) parameters of the whole model, a ZeRO-3 partition counted at its full size."""
+    sizes = [(getattr(p, "ds_numel", p.numel()), p.requires_grad) for p in model.parameters()]
+    return sum(size for size, _ in sizes), sum(size for size, trained in sizes if trained)
+
+
+def merged(
+    model: PeftModel, weights: dict[str, torch.Tensor], base: torch.nn.Module, adapter_uri: str
+) -> tuple[torch.nn.Module, dict]:
+    """Rank 0: `base` (the checkpoint, loaded whole on the CPU) with the trained adapters and head of
+    `model`'s consolidated `weights` merged in, and its state dict; the adapter alone (adapter_config.json,
+    adapter_model.safetensors) is written to `adapter_uri`. The frozen weights are the checkpoint's, not
+    the engine's: a bf16 engine holds them rounded to bf16, with no fp32 copy (its optimizer has none)."""
+    fresh = get_peft_model(base, model.peft_config[model.active_adapter], autocast_adapter_dtype=False)
+    trained = [name for name, parameter in fresh.named_parameters() if parameter.requires_grad]
+    fresh.load_state_dict({name: weights[name] for name in trained}, strict=False)
+    with tempfile.TemporaryDirectory() as folder:
+        fresh.save_pretrained(folder)
+        storage.upload_dir(folder, adapter_uri)
+    whole = fresh.merge_and_unload()
+    return whole, whole.state_dict()
+
+
+def check_targets(lora: Lora | None, name_or_path: str, task: str) -> None:
+    """Refuse, in one line naming the modules the model has, a target module it does not have (peft says
+    only that some were not found, once the cluster has loaded the model). The driver's check: the
+    model built on the meta device from its config alone, in about a second."""
+    if lora is None or lora.target_modules == "all-linear":
+        return
+    names = adaptable_modules(name_or_path, task)
+    for target in lora.target_modules:
+        if not any(name == target or name.endswith(f".{target}") for name in names):
+            short = sorted({name.rpartition(".")[2] for name in names})
+            raise ValueError(
+                f"train.lora.target_modules: {name_or_path} has no linear layer '{target}'; its linear layers "
+                f"are {', '.join(short)} (or all-linear)"
+            )
+
+
+def adaptable_modules(name_or_path: str, task: str) -> list[str]:
+    """The dotted names of the model's layers LoRA adapts (linear, GPT-2's Conv1D), the head excepted."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoModelForTokenClassification
+    from transformers.pytorch_utils import Conv1D
+
+    from tasks.core.models import hub_free, model_folder
+
+    folder = model_folder(name_or_path)
+    head = AutoModelForTokenClassification if task == "token_classification" else AutoModelForSequenceClassification
+    with torch.device("meta"):
+        model = head.from_config(AutoConfig.from_pretrained(folder, **hub_free(folder)))
+    return [
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear | Conv1D) and name.split(".")[0] not in ("classifier", "score")
+    ]
