@@ -124,6 +124,7 @@ def concluded(
         tokenized=ready.job.shards,
         checkpoints=store.train_dir,
         model=store.model_dir,
+        adapter=store.adapter_dir if params.train.lora else None,
         metrics=store.metrics,
         predictions=predictions,
         report=store.report,

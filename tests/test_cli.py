@@ -140,6 +140,7 @@ def test_a_set_value_yaml_reads_as_nothing_is_the_text_typed(tmp_path):
         "no weights",
         "conll columns",
         "token classifier split",
+        "lora target",
         "infer: no model",
         "infer: no champion",
         "infer: no input",
@@ -209,6 +210,11 @@ def test_data_model_and_storage_are_refused_before_anything_starts(tmp_path, s3_
             ["run", *tokens("good.conll"), "--set", "train.pipeline_parallel_size=2"],
             "train.pipeline_parallel_size=2: ftflow splits sequence classifiers only; a token classifier trains with "
             "data parallelism and ZeRO 0-3 (offload fits a larger one): set it to 1",
+        ),
+        "lora target": (
+            ["run", "--set", f"model.name_or_path={tiny_model}", "--set", "train.lora.target_modules=[query, q_proj]"],
+            f"train.lora.target_modules: {tiny_model} has no linear layer 'q_proj'; its linear layers are dense, key, "
+            "query, value (or all-linear)",
         ),
         "infer: no model": (
             ["infer", "/nonexistent/model", test, f"{tmp_path}/out"],

@@ -70,7 +70,7 @@ def test_a_sweep_searches_the_lora_rank(tiny_model, small_data, tmp_path):
             "sweep": {"space": {"train.lora.r": {"choice": [4, 16]}}},
         }
     )
-    assert params.sweep.fields()["lora.r"].choice == [4, 16]
+    assert params.sweep.fields()["lora.r"].choice == [4, 16] and params.train.lora == Lora()
     trial = TrainConfig.model_validate(with_drawn(params.train.model_dump(), {"lora.r": 16}))
     assert trial.lora == Lora(r=16) and trial.learning_rate == 1e-3
     with pytest.raises(ValueError, match=r"sweep.space.train.lora.r: 0: .*greater than or equal to 1"):

@@ -11,7 +11,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from tasks.core.config import FinetuneParams
 from tasks.core.strict import Strict, one_line
-from tasks.core.train_config import BETTER, Monitor, TrainConfig, task_monitor
+from tasks.core.train_config import BETTER, Lora, Monitor, TrainConfig, task_monitor
 
 
 class Distribution(Strict):
@@ -127,7 +127,9 @@ class SweepParams(FinetuneParams):
     def _space_fits_training(self) -> SweepParams:
         """Every searched field is a train.* field (the closest named where not), and every point the
         check tries is one TrainConfig takes with the run's other train.* fields; a choice's values are
-        then held as TrainConfig holds them."""
+        then held as TrainConfig holds them. A search over lora.* trains LoRA: train.lora defaults where unset."""
+        if self.train.lora is None and any(name.startswith("lora.") for name in self.sweep.fields()):
+            self.train = self.train.model_copy(update={"lora": Lora()})
         base = self.train.model_dump()
         for name, distribution in self.sweep.fields().items():
             taken = []
@@ -159,10 +161,9 @@ class SweepParams(FinetuneParams):
 
 
 def with_drawn(train: dict, drawn: dict[str, Any]) -> dict:
-    """train.* fields with a trial's drawn values. A dotted name (lora.r) sets a field of a section, which
-    the draw gives its defaults where the run has none: a search over lora.r trains LoRA adapters."""
+    """train.* fields with a trial's drawn values, a dotted name (lora.r) setting a section's field."""
     fields = dict(train)
     for name, value in drawn.items():
         section, dot, field = name.partition(".")
-        fields[section] = {**(fields.get(section) or {}), field: value} if dot else value
+        fields[section] = {**fields[section], field: value} if dot else value
     return fields

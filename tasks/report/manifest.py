@@ -29,6 +29,7 @@ class Outputs(BaseModel):
     tokenized: TokenizedSplits
     checkpoints: str
     model: str
+    adapter: str | None  # a LoRA run's adapter alone, beside the merged model
     metrics: str
     predictions: Labelled
     report: str
@@ -44,14 +45,23 @@ class Results(BaseModel):
     sweep: SweepResult | None = None  # a sweep's trials; training is its best trial's
 
     def recorded(self) -> dict:
-        """As the manifest holds them: the training's history, curve, nodes, strategy, why it stopped and
-        which step it kept, not its predictions; a sweep's trials."""
+        """As the manifest holds them: the training's history, curve, nodes, strategy, why it stopped,
+        which step it kept and its parameters (all, and trained), not its predictions; a sweep's trials."""
         return self.model_dump(
             mode="json",
             include={
                 "test": True,
                 "promotion": True,
-                "training": {"history", "curve", "nodes", "strategy", "stopped", "kept"},
+                "training": {
+                    "history",
+                    "curve",
+                    "nodes",
+                    "strategy",
+                    "stopped",
+                    "kept",
+                    "parameters",
+                    "trained_parameters",
+                },
                 "sweep": {"metric", "direction", "fields", "trials", "best_trial"},  # its best's Result is training
             },
         )

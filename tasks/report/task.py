@@ -157,6 +157,14 @@ def epoch_rows(training: Result) -> list[dict]:
     ]
 
 
+def parameter_lines(training: Result) -> list[str]:
+    """How many parameters the model has, and how many trained: fewer under LoRA."""
+    if training.parameters is None:
+        return []
+    every, trained = training.parameters, training.trained_parameters or 0
+    return [f"Parameters: {every:,}, of which {trained:,} trained ({trained / every:.1%}).", ""]
+
+
 def data_rows(splits: dict[str, Split], tokenized: TokenizedSplits, root: str) -> list[dict]:
     """Each split's rows and files; a token classifier's windows too (a text longer than the model: several)."""
     windows = tokenized.rows() if splits["train"].schema.tagged else {}
@@ -190,6 +198,7 @@ def stored(outputs: Outputs, results: Results) -> dict[str, str]:
     """Where each of the run's artifacts is."""
     return {
         "model": outputs.model,
+        **({"LoRA adapter alone (peft)": outputs.adapter} if outputs.adapter else {}),
         "metrics": outputs.metrics,
         "predictions": outputs.predictions.output_uri,
         "training checkpoints": outputs.checkpoints,
@@ -233,6 +242,7 @@ def markdown(
         "",
         *table(epoch_rows(results.training)),
         "",
+        *parameter_lines(results.training),
         *task_lines(results.test, images, plot_link),
         *(sentence_lines(splits["test"], results.training.test) if splits["test"].schema.tagged else []),
         *data_lines(splits, outputs, root),

@@ -139,6 +139,8 @@ def best_of(trials: list[TrialRecord], sweep: SweepConfig, store: RunStore) -> S
     sign = 1 if sweep.direction == "max" else -1
     best = max(done, key=lambda trial: sign * trial.best)
     storage.copy_dir(store.trial(best.trial_id).model_dir, store.model_dir)
+    if storage.exists(adapter := store.trial(best.trial_id).adapter_dir):  # a LoRA trial's adapter alone
+        storage.copy_dir(adapter, store.adapter_dir)
     return SweepResult(
         metric=sweep.metric,
         direction=sweep.direction,
