@@ -193,9 +193,9 @@ def test_data_model_and_storage_are_refused_before_anything_starts(tmp_path, s3_
             "model.name_or_path /nonexistent/model: no such folder",
         ),
         "unsplittable model": (  # refused in the flow, once Prefect's server answered
-            ["run", "--set", f"model.name_or_path={deberta}", "--set", "train.tensor_parallel_size=2"],
-            f"train.tensor_parallel_size=2: {deberta} is a 'deberta-v2' model, and ftflow splits BERT-family "
-            "encoders only (bert, electra, roberta, xlm-roberta): set it to 1",
+            ["run", "--set", f"model.name_or_path={deberta}", "--set", "train.pipeline_parallel_size=2"],
+            f"train.pipeline_parallel_size=2: {deberta} is a 'deberta-v2' model, and pipeline_parallel_size splits "
+            "only bert, electra, gemma, llama, mistral, qwen2, qwen3, roberta, xlm-roberta: set it to 1",
         ),
         "no weights": (
             ["run", "--set", f"model.name_or_path={unweighted}"],

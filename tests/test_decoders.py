@@ -118,3 +118,27 @@ def test_a_decoder_tags_words(decoders, entity_data, decoder_shards):
     assert [len(row.tags) for row in tagged] == [len(row["tokens"]) for row in rows]
     config = json.loads(Path(job.store.model_dir, "config.json").read_text())
     assert config["architectures"] == ["Qwen2ForTokenClassification"] and config["window_stride"] == 32
+
+
+def test_a_llama_split_by_tensor_or_pipeline_parallelism_trains_as_data_parallelism_does(
+    decoders, decoder_shards, small_data
+):
+    """2 workers as one tensor-parallel group (AutoTP splits each layer's projections) or as 2 pipeline
+    stages (embeddings and a decoder layer, a decoder layer and the head): the losses of data
+    parallelism on 2 workers, step by step, each worker holding half of the layers' parameters, and an
+    export that reloads to the same model. bench/splits.py runs every family of SPLITTABLE so."""
+    root, uris = decoder_shards
+    run = {"max_steps": 4, "batch_size": 16, "micro_batch_size": 4, "num_workers": 2, "learning_rate": 1e-3}
+    run |= {"eval_every_steps": 0, "log_every_steps": 1}
+    texts = [row["text"] for row in read_jsonl(small_data["test"])[:16]]
+    results, outputs = {}, {}
+    for name, split in {"dp": {}, "tp2": {"tensor_parallel_size": 2}, "pp2": {"pipeline_parallel_size": 2}}.items():
+        run_dir = Path(root) / "runs" / f"llama-{name}"
+        results[name] = fit(uris, decoders["llama"], TrainConfig(**run, **split), run_dir)
+        outputs[name] = plain_loop(run_dir / "model", texts)
+    losses = {name: [point.loss for point in result.curve.train] for name, result in results.items()}
+    assert len(losses["dp"]) == 4 and losses["dp"][0] != losses["dp"][-1]
+    for name in ("tp2", "pp2"):
+        assert np.allclose(losses[name], losses["dp"], rtol=1e-5), (name, losses)
+        assert results[name].layer_parameter_mb == pytest.approx(results["dp"].layer_parameter_mb / 2, rel=0.05)
+        assert np.allclose(outputs[name], outputs["dp"], atol=1e-4), f"{name}'s export is the model trained"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import yaml
 from pydantic import ValidationError
-from transformers import BertConfig, DistilBertConfig
+from transformers import BertConfig, DistilBertConfig, LlamaConfig
 
 from tasks.core.cluster import Resources
 from tasks.core.config import ModelConfig
@@ -185,7 +185,12 @@ def test_tensor_parallel_groups_take_the_workers_in_whole_groups():
         (
             DistilBertConfig(),
             {"tensor_parallel_size": 2},
-            "is a 'distilbert' model, and ftflow splits BERT-family encoders only .*: set it to 1",
+            "is a 'distilbert' model, and tensor_parallel_size splits only bert, deberta-v2, .*: set it to 1",
+        ),
+        (
+            LlamaConfig(num_attention_heads=4, num_key_value_heads=1),
+            {"tensor_parallel_size": 2},
+            "train.tensor_parallel_size=2 does not divide the model's num_key_value_heads=1: use a divisor of 1",
         ),
         (
             BertConfig(num_hidden_layers=3),

@@ -36,10 +36,18 @@ TOKENIZER_FILES = (
     "tokenizer.model",
 )
 
-# Models AutoTP splits as ftflow has seen it train and export (tests/test_train.py): BERT's layer
-# and its copies, with query, key, value and the intermediate split by columns, the attention output
-# and the output by rows. The pooler and the classifier stay whole on every worker.
-SPLITTABLE = FIRST_TOKEN_CLASSIFIERS
+# Llama-style decoders (token embeddings, decoder layers with rotary positions, a final norm, a score
+# layer), which tasks/train/pipeline.py cuts into stages. GPT-2 is not one: DeepSpeed's AutoTP refuses
+# it too (its kernel-injection policy claims it).
+SPLITTABLE_DECODERS = {"llama", "mistral", "qwen2", "qwen3", "gemma"}
+# The model types ftflow splits, by the field that splits them, each seen to train with the losses of
+# data parallelism and to export (tests/test_train.py, tests/test_decoders.py). AutoTP splits the
+# attention's query, key and value and the feed-forward's first matrices (gate and up) by columns, the
+# attention output and the feed-forward's last by rows; embeddings, poolers and heads stay whole.
+SPLITTABLE = {
+    "tensor_parallel_size": FIRST_TOKEN_CLASSIFIERS | SPLITTABLE_DECODERS | {"deberta-v2"},
+    "pipeline_parallel_size": FIRST_TOKEN_CLASSIFIERS | SPLITTABLE_DECODERS,
+}
 
 
 def hub_free(name_or_path: str) -> dict:
@@ -132,13 +140,17 @@ def check_parallelism(cfg: TrainConfig, model: ModelConfig, task: str) -> None:
             "parallelism and ZeRO 0-3 (offload fits a larger one): set it to 1"
         )
     config = model_config(model.name_or_path)
-    if config.get("model_type") not in SPLITTABLE:
+    if config.get("model_type") not in SPLITTABLE[name]:
         raise ValueError(
-            f"train.{name}={size}: {model.name_or_path} is a '{config.get('model_type')}' model, and ftflow "
-            f"splits BERT-family encoders only ({', '.join(sorted(SPLITTABLE))}): set it to 1"
+            f"train.{name}={size}: {model.name_or_path} is a '{config.get('model_type')}' model, and {name} "
+            f"splits only {', '.join(sorted(SPLITTABLE[name]))}: set it to 1"
         )
-    fields = ("num_attention_heads", "intermediate_size") if name == "tensor_parallel_size" else ("num_hidden_layers",)
-    for field in fields:
+    fields = (
+        ("num_attention_heads", "num_key_value_heads", "intermediate_size")
+        if name == "tensor_parallel_size"
+        else ("num_hidden_layers",)
+    )
+    for field in filter(config.__contains__, fields):  # an encoder has no key-value heads of its own
         if config[field] % size:
             raise ValueError(
                 f"train.{name}={size} does not divide the model's {field}={config[field]}: "

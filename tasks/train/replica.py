@@ -121,12 +121,13 @@ class Replica:
         return inputs, (on(device, batch["labels"]), on(device, real))
 
     def layers(self) -> list[torch.nn.Module]:
-        """The encoder layers this worker holds (BERT-family models; none found for others)."""
+        """The encoder or decoder layers this worker holds (BERT-family and Llama-style models; none
+        found for others)."""
         if self.names is not None:
-            return [
-                layer.layer for layer in self.engine.module.forward_funcs if isinstance(layer, pipeline.EncoderLayer)
-            ]
-        return list(getattr(getattr(self.engine.module.base_model, "encoder", None), "layer", None) or [])
+            kinds = pipeline.EncoderLayer | pipeline.DecoderLayer
+            return [layer.layer for layer in self.engine.module.forward_funcs if isinstance(layer, kinds)]
+        base = self.engine.module.base_model
+        return list(getattr(getattr(base, "encoder", None), "layer", None) or getattr(base, "layers", None) or [])
 
     def exported(self) -> tuple[torch.nn.Module | None, dict | None]:
         """(model, state dict) for rank 0 to save, the whole model gathered from where it is split
