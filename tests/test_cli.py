@@ -141,6 +141,7 @@ def test_a_set_value_yaml_reads_as_nothing_is_the_text_typed(tmp_path):
         "conll columns",
         "token classifier split",
         "lora target",
+        "too long",
         "infer: no model",
         "infer: no champion",
         "infer: no input",
@@ -215,6 +216,10 @@ def test_data_model_and_storage_are_refused_before_anything_starts(tmp_path, s3_
             ["run", "--set", f"model.name_or_path={tiny_model}", "--set", "train.lora.target_modules=[query, q_proj]"],
             f"train.lora.target_modules: {tiny_model} has no linear layer 'q_proj'; its linear layers are dense, key, "
             "query, value (or all-linear)",
+        ),
+        "too long": (
+            ["run", "--set", f"model.name_or_path={tiny_model}", "--set", "model.max_length=1024"],
+            f"model.max_length 1024: {tiny_model} reads at most 512 tokens (its learned positions): set it to 512 or less",
         ),
         "infer: no model": (
             ["infer", "/nonexistent/model", test, f"{tmp_path}/out"],

@@ -22,6 +22,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from tasks.core.sweep_config import SweepParams, with_drawn
 from tasks.core.train_config import Lora, TrainConfig
+from tasks.train.strategy import ModelSize
 
 # ZeRO-0 in bf16 with accumulation (2 workers x micro-batch 4 x 2), and ZeRO-3 partitioning the frozen
 # model, killed at step 3 and resumed from step 2's checkpoint.
@@ -47,6 +48,7 @@ def test_lora_trains_adapters_and_exports_them_merged_and_alone(strategy, tokeni
     config = LoraConfig(task_type=TaskType.SEQ_CLS, r=4, lora_alpha=8, target_modules="all-linear")
     trainable, every = get_peft_model(base, config).get_nb_trainable_parameters()
     assert (result.trained_parameters, result.parameters) == (trainable, every) and trainable < every / 5
+    assert ModelSize.of(str(tiny_model), 2).lora_params(lora) == trainable, "strategy=auto's count"
     assert_model_is_the_trained_engine(run / "model", uris, result.history[-1].val_accuracy)
     exported, before = load_file(run / "model" / "model.safetensors"), load_file(tiny_model / "model.safetensors")
     embeddings = "bert.embeddings.word_embeddings.weight"

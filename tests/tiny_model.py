@@ -58,9 +58,11 @@ def tiny_model_files(directory: Path, model_type: str, **sizes) -> Path:
 
 
 def tiny_random_model(directory: Path, model_type: str) -> Path:
-    """A tiny classifier of model_type with random weights, saved with the tiny vocabulary's tokenizer."""
-    tiny_model_files(directory, model_type)
-    AutoModelForSequenceClassification.from_config(tiny_config(model_type)).save_pretrained(directory)
+    """A tiny classifier of model_type with random weights, saved with the tiny vocabulary's tokenizer (its
+    embeddings as many as the tokenizer's ids)."""
+    sizes = {"vocab_size": tiny_tokenizer().vocab_size, "max_position_embeddings": 512}
+    tiny_model_files(directory, model_type, **sizes)
+    AutoModelForSequenceClassification.from_config(tiny_config(model_type, **sizes)).save_pretrained(directory)
     return directory
 
 

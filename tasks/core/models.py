@@ -123,6 +123,24 @@ def tokenizer_sha256(name_or_path: str) -> str:
     return digest.hexdigest()
 
 
+# Model types whose positions are a learned table (max_position_embeddings rows, RoBERTa's from 2 on):
+# a longer text indexes past it, an error in the training worker. Rotary and relative positions read on.
+LEARNED_POSITIONS = {"bert": 0, "electra": 0, "distilbert": 0, "albert": 0, "gpt2": 0, "roberta": 2, "xlm-roberta": 2}
+
+
+def check_length(model: ModelConfig) -> None:
+    """Refuse a model.max_length longer than the model's learned positions, from its config.json alone."""
+    config = model_config(model.name_or_path)
+    if (offset := LEARNED_POSITIONS.get(config.get("model_type"))) is None:
+        return
+    positions = (config.get("max_position_embeddings") or config.get("n_positions") or 0) - offset
+    if positions and model.max_length > positions:
+        raise ValueError(
+            f"model.max_length {model.max_length}: {model.name_or_path} reads at most {positions} tokens "
+            f"(its learned positions): set it to {positions} or less"
+        )
+
+
 def check_parallelism(cfg: TrainConfig, model: ModelConfig, task: str) -> None:
     """Refuse a split that the model cannot take, saying what to change, before any cluster work: the
     command's checks run it (tasks/validate/checks.py), from the model's config.json alone."""

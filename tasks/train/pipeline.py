@@ -31,11 +31,14 @@ class Embeddings(nn.Module):
     def __init__(self, model):
         super().__init__()
         self.embeddings = model.base_model.embeddings
+        # ELECTRA's embeddings are narrower than its layers (128 and 256 in electra-small): a projection between
+        self.project = getattr(model.base_model, "embeddings_project", None)
 
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
         """(input ids, attention mask[, token type ids of a pair of texts]) -> (hidden states, mask)."""
         input_ids, mask, *types = inputs
-        return self.embeddings(input_ids=input_ids, token_type_ids=types[0] if types else None), mask
+        hidden = self.embeddings(input_ids=input_ids, token_type_ids=types[0] if types else None)
+        return (self.project(hidden) if self.project is not None else hidden), mask
 
 
 class EncoderLayer(nn.Module):

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from tasks.contracts.training import Choice
 from tasks.core.models import hub_free
-from tasks.core.train_config import AUTO_CHOOSES, TrainConfig
+from tasks.core.train_config import AUTO_CHOOSES, Lora, TrainConfig
 
 GIB = 2**30
 # What a CPU worker holds before its model: Python, torch, transformers, DeepSpeed and Ray's worker
@@ -36,66 +36,117 @@ OFFLOAD = [
 @dataclass(frozen=True)
 class ModelSize:
     params: int
-    layer_params: int  # in the encoder layers: what tensor parallelism splits
+    layer_params: int  # in the encoder or decoder layers: what tensor parallelism splits
     largest_layer: int  # the most parameters of one module: what ZeRO-3 gathers at once
     hidden: int
     heads: int
+    kv_heads: int  # key and value heads: fewer than heads under grouped-query attention
     layers: int
     intermediate: int
+    gated: bool  # a gated feed-forward (gate and up projections, as Llama's SwiGLU): 2 matrices in, not 1
+    linears: tuple[tuple[str, int], ...]  # each linear layer but the head: its name and in + out features (LoRA's)
+    head_params: int  # the classifier's (classifier, score): what LoRA trains in full
 
     @classmethod
     def of(cls, name_or_path: str, labels: int) -> ModelSize:
         """Counted on the model's structure, built without weights (meta device): no load."""
         import torch
         from transformers import AutoConfig, AutoModelForSequenceClassification  # strategy=auto's only
+        from transformers.pytorch_utils import Conv1D
 
         config = AutoConfig.from_pretrained(name_or_path, num_labels=labels, **hub_free(name_or_path))
         with torch.device("meta"):
             model = AutoModelForSequenceClassification.from_config(config)
-        encoder = getattr(getattr(model.base_model, "encoder", None), "layer", None)
+        base = model.base_model
+        layers = getattr(getattr(base, "encoder", None), "layer", None) or getattr(base, "layers", None) or []
+        linears = [  # what LoRA's all-linear adapts: every linear layer (GPT-2's Conv1D) but the head
+            (name, sum(module.weight.shape))
+            for name, module in model.named_modules()
+            if isinstance(module, torch.nn.Linear | Conv1D) and not name.startswith(("classifier", "score"))
+        ]
+        head = getattr(model, "classifier", None) or getattr(model, "score", None)
         return cls(
             params=sum(p.numel() for p in model.parameters()),
-            layer_params=sum(p.numel() for p in encoder.parameters()) if encoder is not None else 0,
+            layer_params=sum(p.numel() for p in layers.parameters()) if layers else 0,
             largest_layer=max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()),
             hidden=config.hidden_size,
             heads=config.num_attention_heads,
+            kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
             layers=config.num_hidden_layers,
-            intermediate=getattr(config, "intermediate_size", 4 * config.hidden_size),
+            intermediate=getattr(config, "intermediate_size", None) or 4 * config.hidden_size,
+            gated=any(name.endswith("gate_proj") for name, _ in linears),
+            linears=tuple(linears),
+            head_params=sum(p.numel() for p in head.parameters()) if head is not None else 0,
         )
 
+    def lora_params(self, lora: Lora) -> int:
+        """What LoRA trains: r x (in + out) for each adapted linear layer, and the head in full."""
+        targets = lora.target_modules
+        adapted = [
+            size
+            for name, size in self.linears
+            if targets == "all-linear" or any(name == t or name.endswith(f".{t}") for t in targets)
+        ]
+        return lora.r * sum(adapted) + self.head_params
 
-def model_state_bytes(size: ModelSize, cfg: TrainConfig, workers: int) -> int:
-    """Parameters, gradients and optimizer state one worker holds on its device: DeepSpeed's
-    estimators for ZeRO-2 and 3, and the same terms for ZeRO-0 and 1 (2 bytes per 16-bit parameter
-    and gradient, 16 for the fp32 master weights and Adam moments, which ZeRO-1 shards). For fp32
-    training, as on CPUs, that overstates by 4 bytes a parameter: the main job was estimated at 2.02
-    GiB per worker and peaked at 1.49. Tensor
-    parallelism divides the encoder layers by tp, pipeline stages the whole model by pp (about: the
-    embeddings ride with the first), and the replicas ZeRO shards over by either."""
+
+# fp32 training's bytes per trained parameter, (held whole, sharded over the replicas) by ZeRO stage: the
+# parameter 4, its gradient 4, DeepSpeed's fp32 copy of a ZeRO optimizer's partition 4 and Adam's two
+# moments 8. ZeRO-0 steps the parameters themselves (no copy); ZeRO-1 shards the copy and the moments,
+# ZeRO-2 the gradients too, ZeRO-3 the parameters too (and gathers a layer at a time: largest_layer).
+FP32_BYTES = {0: (16, 0), 1: (8, 12), 2: (4, 16), 3: (0, 20)}
+
+
+def model_state_bytes(size: ModelSize, cfg: TrainConfig, workers: int, fp32: bool) -> int:
+    """Parameters, gradients and optimizer state one worker holds on its device. 16-bit: DeepSpeed's
+    estimators for ZeRO-2 and 3, and the same terms for ZeRO-0 and 1 (2 bytes per 16-bit parameter and
+    gradient, 16 for the fp32 master weights and Adam moments, which ZeRO-1 shards). fp32 (CPUs train in it):
+    FP32_BYTES. Tensor parallelism divides the layers by tp, pipeline stages the whole model by pp
+    (about: the embeddings ride with the first), and the replicas ZeRO shards over by either. Under LoRA
+    the frozen model costs its parameters alone (2 or 4 bytes), sharded by ZeRO-3 only."""
+    tp, pp = cfg.tensor_parallel_size, cfg.pipeline_parallel_size
+    params = (size.params - size.layer_params + size.layer_params // tp) // pp
+    replicas = max(1, workers // (tp * pp))
+    trained = size.lora_params(cfg.lora) if cfg.lora else params
+    frozen = params - size.head_params if cfg.lora else 0
+    shards = replicas if cfg.zero_stage == 3 else 1
+    if fp32:
+        whole, sharded = FP32_BYTES[cfg.zero_stage]
+        gathered = 4 * size.largest_layer // tp if cfg.zero_stage == 3 else 0
+        return whole * trained + sharded * trained // replicas + gathered + 4 * frozen // shards
+    return trained_16bit_bytes(size, cfg, trained, replicas) + 2 * frozen // shards
+
+
+def trained_16bit_bytes(size: ModelSize, cfg: TrainConfig, trained: int, replicas: int) -> int:
+    """Mixed-precision training's model states (see model_state_bytes)."""
     # imported here: deepspeed probes the accelerator, and logs it, at import
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
-    tp, pp = cfg.tensor_parallel_size, cfg.pipeline_parallel_size
-    params = (size.params - size.layer_params + size.layer_params // tp) // pp
-    replicas = max(1, workers // (tp * pp))
     stage, offload = cfg.zero_stage, cfg.offload_optimizer
     if stage == 3:
-        return estimate_zero3_model_states_mem_needs(
-            params, size.largest_layer // tp, replicas, 1, offload, cfg.offload_params
-        )[1]
+        largest = size.largest_layer // cfg.tensor_parallel_size
+        return estimate_zero3_model_states_mem_needs(trained, largest, replicas, 1, offload, cfg.offload_params)[1]
     if stage == 2:
-        return estimate_zero2_model_states_mem_needs(params, replicas, 1, offload)[1]
-    return 4 * params + 16 * params // (replicas if stage == 1 else 1)
+        return estimate_zero2_model_states_mem_needs(trained, replicas, 1, offload)[1]
+    return 4 * trained + 16 * trained // (replicas if stage == 1 else 1)
 
 
-def activation_bytes(size: ModelSize, micro_batch: int, seq: int, tp: int, pp: int) -> int:
-    """Activations kept for backward, at 4 bytes: per layer s*b*h*(10 + 24/t + 5*a*s/(h*t)) bytes at
-    16 bits (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models"),
-    doubled for fp32, which is what CPUs train in. A pipeline stage holds layers/pp layers, for up to
-    pp micro-batches in flight (the first stage, in DeepSpeed's one-forward-one-backward schedule)."""
+def activation_bytes(size: ModelSize, micro_batch: int, seq: int, cfg: TrainConfig, fp32: bool) -> int:
+    """Activations kept for backward: per layer s*b*h*(10 + 24/t + 5*a*s/(h*t)) bytes at 16 bits
+    (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models"), with its
+    24*h split into the query and the attention's output (4h), the keys and values (4 x the key-value
+    heads' width: less under grouped-query attention) and the feed-forward's intermediate (4 x its width,
+    8 x for a gated one: gate, up, activation, product); doubled for fp32, which is what CPUs train in. A
+    pipeline stage holds layers/pp layers, for up to pp micro-batches in flight (the first stage, in
+    DeepSpeed's one-forward-one-backward schedule). Activation checkpointing keeps each layer's input
+    (2*s*b*h) and one layer's whole at a time, recomputed."""
+    tp, pp = cfg.tensor_parallel_size, cfg.pipeline_parallel_size
     s, b, h, a = seq, micro_batch, size.hidden, size.heads
-    return int(2 * (size.layers // pp) * pp * s * b * h * (10 + 24 / tp + 5 * a * s / (h * tp)))
+    split = 4 * h + 4 * h * size.kv_heads // a + (8 if size.gated else 4) * size.intermediate + 5 * a * s
+    layer, layers = s * b * (10 * h + split / tp), size.layers // pp
+    kept = 2 * s * b * h * layers + layer if cfg.activation_checkpointing else layer * layers
+    return int((2 if fp32 else 1) * pp * kept)
 
 
 def candidates(cfg: TrainConfig, use_gpu: bool) -> list[TrainConfig]:
@@ -196,5 +247,7 @@ def need_bytes(size: ModelSize, cfg: TrainConfig, workers: int, micro_batch: int
     """What one worker needs training as cfg says, planned as `workers` of `micro_batch` rows of `seq` tokens."""
     tp, pp = cfg.tensor_parallel_size, cfg.pipeline_parallel_size
     process = 0 if use_gpu else CPU_PROCESS_BYTES
+    fp32 = cfg.precision == "fp32" or (cfg.precision == "auto" and not use_gpu)  # auto: bf16 or fp16 on a GPU
     # a replica's micro-batch is its ranks' together (tasks/train/worker.py Replica)
-    return model_state_bytes(size, cfg, workers) + activation_bytes(size, micro_batch * tp * pp, seq, tp, pp) + process
+    activations = activation_bytes(size, micro_batch * tp * pp, seq, cfg, fp32)
+    return model_state_bytes(size, cfg, workers, fp32) + activations + process
