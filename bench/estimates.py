@@ -1,6 +1,7 @@
 """strategy=auto's memory estimate against the measured peak (issue 56): Llama-style decoders of a tiny and
 a mid size (grouped-query attention, a 32,000-token vocabulary), trained a few steps on the shipped reviews
-under each strategy on this machine's CPUs, full fine-tuning and LoRA. Per run: the estimate per worker
+under each strategy on this machine's CPUs, full fine-tuning and LoRA, on documents of the reviews
+that fill model.max_length (the batches an estimate plans for). Per run: the estimate per worker
 (tasks/train/strategy.py need_bytes, as strategy=auto computes it), the measured peak per worker (the
 largest resident set of any worker), and their ratio. Target: within 25%.
 
@@ -37,8 +38,8 @@ from tasks.train.task import train  # noqa: E402
 DATA = ROOT / "data" / "rotten_tomatoes"
 MAX_LENGTH = 128
 SIZES = {  # Llama-style, 4 query heads per key-value head
-    "tiny": {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 176},
-    "mid": {"hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12, "intermediate_size": 2048},
+    "tiny": {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 8, "intermediate_size": 176},
+    "mid": {"hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 16, "intermediate_size": 2048},
 }
 RUN = {"max_steps": 2, "batch_size": 16, "num_workers": 2, "eval_every_steps": 0, "keep_best": False}
 STRATEGIES = {
@@ -71,6 +72,24 @@ def llama(folder: Path, name: str, shape: dict, positions: int = MAX_LENGTH) -> 
     return folder / name
 
 
+def documents(folder: Path, rows: int = 64) -> Path:
+    """Train and validation splits of `rows` documents, each about 8,000 words of consecutive reviews."""
+    reviews = [json.loads(line) for line in (DATA / "train.jsonl").read_text().strip().split("\n")]
+    per_document = len(reviews) // rows
+    for split in ("train", "validation"):
+        lines = [
+            json.dumps(
+                {
+                    "text": " ".join(r["text"] for r in reviews[i * per_document : (i + 1) * per_document]),
+                    "label": reviews[i * per_document]["label"],
+                }
+            )
+            for i in range(rows)
+        ]
+        (folder / f"{split}.jsonl").write_text("\n".join(lines) + "\n")
+    return folder
+
+
 def measured(model: Path, root: str, name: str, cfg: TrainConfig, length: int = MAX_LENGTH, data: Path = DATA) -> dict:
     """A run of cfg on data's train and validation splits: its estimated and peak GiB per worker, its
     workers and its training samples/s."""
@@ -101,11 +120,13 @@ def main() -> None:
     print("| model | parameters | strategy | workers | estimate GiB | peak GiB | estimate / peak |")
     print("|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as folder:
+        data = documents(Path(folder))  # every row max_length tokens: the batches an estimate plans for
         for size in args.sizes.split(","):
             model = llama(Path(folder), size, SIZES[size])
             params = strategy.ModelSize.of(str(model), 2).params
             for name in args.only.split(","):
-                run = measured(model, folder, f"{size}-{name}", TrainConfig(**(RUN | STRATEGIES[name])))
+                cfg = TrainConfig(**(RUN | STRATEGIES[name]))
+                run = measured(model, folder, f"{size}-{name}", cfg, data=data)
                 print(
                     f"| llama {size} | {params / 1e6:.1f} M | {name} | {run['workers']} | {run['need']:.2f} | "
                     f"{run['peak']:.2f} | {run['need'] / run['peak']:.2f} |",

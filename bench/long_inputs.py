@@ -9,35 +9,16 @@ worker and strategy=auto's estimate beside it. One worker with every CPU, global
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 from pathlib import Path
 
-from estimates import DATA, llama, measured
+from estimates import documents, llama, measured
 
 from tasks.core import cluster
 from tasks.core.train_config import TrainConfig
 
 SHAPE = {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4, "intermediate_size": 688}
 POSITIONS = 4096
-
-
-def documents(folder: Path, rows: int = 64) -> Path:
-    """Train and validation splits of `rows` documents, each about 8,000 words of consecutive reviews."""
-    reviews = [json.loads(line) for line in (DATA / "train.jsonl").read_text().strip().split("\n")]
-    per_document = len(reviews) // rows
-    for split in ("train", "validation"):
-        lines = [
-            json.dumps(
-                {
-                    "text": " ".join(r["text"] for r in reviews[i * per_document : (i + 1) * per_document]),
-                    "label": reviews[i * per_document]["label"],
-                }
-            )
-            for i in range(rows)
-        ]
-        (folder / f"{split}.jsonl").write_text("\n".join(lines) + "\n")
-    return folder
 
 
 def main() -> None:

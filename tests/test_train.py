@@ -18,6 +18,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from conftest import fault_injected
+from tiny_model import make_tiny_bert
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from tasks.contracts.shards import TokenizedSplits
@@ -411,26 +412,30 @@ def test_tensor_parallel_groups_are_placed_within_a_node(tokenized, tiny_model, 
     check_export(Result.model_validate(placed["result"]), cfg, run_dir, uris, tiny_model)
 
 
-def test_strategy_auto_picks_by_the_memory_a_worker_has(tokenized, tiny_model):
+def test_strategy_auto_picks_by_the_memory_a_worker_has(tokenized, tiny_model, tmp_path):
     """Plenty of memory: plain data parallelism, the fastest (resolved as `fit` resolves it; ZeRO-0 trains
     in the export test). Less than it needs: the fastest that fits, which trains. Each says what it
-    chose and why. Too little for any: refused before any worker."""
+    chose and why. Too little for any: refused before any worker. A wider model than the suite's (its
+    strategies differ by more than the 1 MB the estimate is rounded to), on the same vocabulary."""
     root, uris = tokenized
+    wider = make_tiny_bert(tmp_path / "wider", hidden_size=256, intermediate_size=1024)
     auto = {"strategy": "auto", "num_workers": 2, "batch_size": 16, "max_steps": 3}
     _, ample, _ = planned(
-        ModelConfig(name_or_path=str(tiny_model), max_length=64), LABELS, TrainConfig(**auto, memory_per_worker_gb=8.0)
+        ModelConfig(name_or_path=str(wider), max_length=64), LABELS, TrainConfig(**auto, memory_per_worker_gb=8.0)
     )
     tight_cfg = TrainConfig(**auto, memory_per_worker_gb=ample.need_gb - 0.001)
-    trained = fit(uris, tiny_model, tight_cfg, Path(root) / "runs" / "auto-tight")
+    trained = fit(uris, wider, tight_cfg, Path(root) / "runs" / "auto-tight")
     assert trained.history[-1].step == 3
     tight = trained.strategy
     assert ample.settings == {"zero_stage": 0} and ample.reason.endswith("and it is the fastest")
     assert tight.settings != ample.settings and tight.need_gb <= tight.budget_gb < ample.need_gb
     assert "the faster need more (data parallel (ZeRO-0) ~" in tight.reason
-    with pytest.raises(ValueError, match="train.strategy=auto: no strategy fits a worker; the closest, .* needs ~0.6"):
+    with pytest.raises(
+        ValueError, match=r"no strategy fits a worker; the closest, .* needs ~0\.\d+ GiB per worker of the 0.10"
+    ):
         fit(
             uris,
-            tiny_model,
+            wider,
             TrainConfig(strategy="auto", memory_per_worker_gb=0.1, num_workers=2),
             Path(root) / "runs" / "auto-none",
         )

@@ -178,12 +178,7 @@ class DataConfig(Strict):
 
 class ModelConfig(Strict):
     name_or_path: str = Field(default_factory=default_model, description="HF model id or folder.")
-    max_length: int = Field(
-        128,
-        ge=8,
-        description="Tokens kept per text (a model with learned positions reads at most its own number: checked); "
-        "long ones train with train.activation_checkpointing.",
-    )
+    max_length: int = Field(128, ge=8, description="Tokens kept per text, at most a model's learned positions.")
 
     @field_validator("name_or_path")
     @classmethod

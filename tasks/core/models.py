@@ -20,7 +20,7 @@ from tasks.core.first_token import FIRST_TOKEN_CLASSIFIERS
 
 if TYPE_CHECKING:
     from tasks.core.config import ModelConfig
-    from tasks.core.train_config import TrainConfig
+    from tasks.core.train_config import Lora, TrainConfig
 
 # The files transformers reads a tokenizer from, by its names for them (fixed order: the hash's).
 TOKENIZER_FILES = (
@@ -174,3 +174,36 @@ def check_parallelism(cfg: TrainConfig, model: ModelConfig, task: str) -> None:
                 f"train.{name}={size} does not divide the model's {field}={config[field]}: "
                 f"use a divisor of {config[field]}"
             )
+
+
+def check_lora_targets(lora: Lora | None, name_or_path: str, task: str) -> None:
+    """Refuse, in one line naming the modules the model has, a target module it does not have (peft says
+    only that some were not found, once the cluster has loaded the model). The driver's check: the
+    model built on the meta device from its config alone, in about a second."""
+    if lora is None or lora.target_modules == "all-linear":
+        return
+    names = adaptable_modules(name_or_path, task)
+    for target in lora.target_modules:
+        if not any(name == target or name.endswith(f".{target}") for name in names):
+            short = sorted({name.rpartition(".")[2] for name in names})
+            raise ValueError(
+                f"train.lora.target_modules: {name_or_path} has no linear layer '{target}'; its linear layers "
+                f"are {', '.join(short)} (or all-linear)"
+            )
+
+
+def adaptable_modules(name_or_path: str, task: str) -> list[str]:
+    """The dotted names of the model's layers LoRA adapts (linear, GPT-2's Conv1D), the head excepted."""
+    import torch
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoModelForTokenClassification
+    from transformers.pytorch_utils import Conv1D
+
+    folder = model_folder(name_or_path)
+    head = AutoModelForTokenClassification if task == "token_classification" else AutoModelForSequenceClassification
+    with torch.device("meta"):
+        model = head.from_config(AutoConfig.from_pretrained(folder, **hub_free(folder)))
+    return [
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear | Conv1D) and name.split(".")[0] not in ("classifier", "score")
+    ]

@@ -1,11 +1,11 @@
 """LoRA through peft: adapters on a model's linear layers, the new head trained in full, and the
 export: one Hugging Face folder with the adapters merged (what `ftflow infer` and transformers load
-as they are), and the adapter alone beside it (peft's own folder, the head in it).
+as they are), and the adapter alone beside it (peft's own folder, the head in it). The command's check
+of the target modules is tasks/core/models.py `check_lora_targets`.
 
 peft's merge is not ZeRO-aware (a ZeRO-3 worker holds a shard of each weight), so rank 0 merges the
 trained adapters and head, from the consolidated weights, into the checkpoint loaded afresh on its CPU.
-Worker side, but for `check_targets`, which the command's checks
-call before any cluster work: imports no Prefect.
+Worker side: imports no Prefect.
 """
 
 from __future__ import annotations
@@ -67,37 +67,3 @@ def merged(
         storage.upload_dir(folder, adapter_uri)
     whole = fresh.merge_and_unload()
     return whole, whole.state_dict()
-
-
-def check_targets(lora: Lora | None, name_or_path: str, task: str) -> None:
-    """Refuse, in one line naming the modules the model has, a target module it does not have (peft says
-    only that some were not found, once the cluster has loaded the model). The driver's check: the
-    model built on the meta device from its config alone, in about a second."""
-    if lora is None or lora.target_modules == "all-linear":
-        return
-    names = adaptable_modules(name_or_path, task)
-    for target in lora.target_modules:
-        if not any(name == target or name.endswith(f".{target}") for name in names):
-            short = sorted({name.rpartition(".")[2] for name in names})
-            raise ValueError(
-                f"train.lora.target_modules: {name_or_path} has no linear layer '{target}'; its linear layers "
-                f"are {', '.join(short)} (or all-linear)"
-            )
-
-
-def adaptable_modules(name_or_path: str, task: str) -> list[str]:
-    """The dotted names of the model's layers LoRA adapts (linear, GPT-2's Conv1D), the head excepted."""
-    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoModelForTokenClassification
-    from transformers.pytorch_utils import Conv1D
-
-    from tasks.core.models import hub_free, model_folder
-
-    folder = model_folder(name_or_path)
-    head = AutoModelForTokenClassification if task == "token_classification" else AutoModelForSequenceClassification
-    with torch.device("meta"):
-        model = head.from_config(AutoConfig.from_pretrained(folder, **hub_free(folder)))
-    return [
-        name
-        for name, module in model.named_modules()
-        if isinstance(module, torch.nn.Linear | Conv1D) and name.split(".")[0] not in ("classifier", "score")
-    ]

@@ -19,7 +19,7 @@ from tasks.core.config import BatchInferParams, DataConfig, FinetuneParams, Infe
 from tasks.core.data import SPLITS, Split, load_splits
 from tasks.core.files import CONLL_COLUMNS, check_columns, expand_inputs, file_format
 from tasks.core.layout import OutputFolder, RunStore, refuse_overlap
-from tasks.core.models import check_length, check_parallelism, saved_model, training_model
+from tasks.core.models import check_length, check_lora_targets, check_parallelism, saved_model, training_model
 from tasks.core.storage import check_writable
 
 
@@ -75,10 +75,7 @@ def run_inputs(params: FinetuneParams, store: RunStore | None) -> RunInputs:
     training_model(params.model.name_or_path)
     check_length(params.model)
     check_parallelism(params.train, params.model, params.data.task)  # in the flow, after Prefect's server: 5-11 s
-    if params.train.lora:
-        from tasks.train.lora import check_targets  # peft and transformers, imported for LoRA runs alone
-
-        check_targets(params.train.lora, params.model.name_or_path, params.data.task)
+    check_lora_targets(params.train.lora, params.model.name_or_path, params.data.task)
     inference = params.inference.model_copy(update=inference_defaults(params, splits["test"]))
     inputs = RunInputs(splits, inference, files_to_label(inference))
     check_writable(params.storage_root, "storage_root")
