@@ -46,6 +46,7 @@ class ModelSize:
     gated: bool  # a gated feed-forward (gate and up projections, as Llama's SwiGLU): 2 matrices in, not 1
     linears: tuple[tuple[str, int, int], ...]  # each linear layer but the head: name, in and out features (LoRA's)
     head_params: int  # the classifier's (classifier, score): what LoRA trains in full
+    fused_attention: bool  # sdpa or flash attention: the scores are never kept whole (eager keeps them)
 
     @classmethod
     def of(cls, name_or_path: str, labels: int) -> ModelSize:
@@ -77,6 +78,7 @@ class ModelSize:
             gated=any(name.endswith("gate_proj") for name, *_ in linears),
             linears=tuple(linears),
             head_params=sum(p.numel() for p in head.parameters()) if head is not None else 0,
+            fused_attention=model.config._attn_implementation != "eager",
         )
 
     def adapted(self, lora: Lora) -> list[tuple[str, int, int]]:
@@ -94,12 +96,12 @@ class ModelSize:
 
     def lora_activation_bytes(self, lora: Lora) -> int:
         """The bytes per token and layer peft's adapters add to what backward keeps, in fp32: each adapted
-        layer's output once more, and with dropout each one's input dropped (a copy and its mask). Measured
+        layer's output once more, and with dropout each one's input dropped (a copy and its mask). Fitted
         in one process on a 99M-parameter Llama, 8 x 128 tokens: activations of 0.81 GiB fully fine-tuned,
         1.15 with LoRA, 1.66 with LoRA's dropout at 0.05."""
         adapted = self.adapted(lora)
         outputs, inputs = sum(o for *_, o in adapted), sum(i for _, i, _ in adapted)
-        return (4 * outputs + (5 * inputs if lora.dropout else 0)) // max(1, self.layers)
+        return (5 * outputs + (6 * inputs if lora.dropout else 0)) // max(1, self.layers)
 
 
 # fp32 training's bytes per trained parameter, (held whole, sharded over the replicas) by ZeRO stage: the
@@ -155,11 +157,17 @@ def activation_bytes(size: ModelSize, micro_batch: int, seq: int, cfg: TrainConf
     8 x for a gated one: gate, up, activation, product); doubled for fp32, which is what CPUs train in. A
     pipeline stage holds layers/pp layers, for up to pp micro-batches in flight (the first stage, in
     DeepSpeed's one-forward-one-backward schedule). Activation checkpointing keeps each layer's input
-    (2*s*b*h) and one layer's whole at a time, recomputed."""
+    (2*s*b*h) and one layer's whole at a time, recomputed. The attention scores (5*a*s per token) only
+    where attention is eager: sdpa and flash attention keep none (bench/long_inputs.py: a 4,096-token
+    batch peaked at 2.67 GiB, where keeping them would have taken 12)."""
     tp, pp = cfg.tensor_parallel_size, cfg.pipeline_parallel_size
     s, b, h, a = seq, micro_batch, size.hidden, size.heads
-    split = 4 * h + 4 * h * size.kv_heads // a + (8 if size.gated else 4) * size.intermediate + 5 * a * s
-    layer, layers = s * b * (10 * h + split / tp), size.layers // pp
+    scores = 0 if size.fused_attention else 5 * a * s  # measured: sdpa on CPU keeps no s x s scores either
+    split = 4 * h + 4 * h * size.kv_heads // a + (8 if size.gated else 4) * size.intermediate + scores
+    # Llama-style layers keep more than the formula's GPT: their RMSNorms compute in fp32 and the rotary
+    # embedding copies the queries and keys (6h more, fitted: a 99M Llama kept 0.81 GiB for 8 x 128 tokens)
+    replicated = (16 if size.gated else 10) * h
+    layer, layers = s * b * (replicated + split / tp), size.layers // pp
     kept = 2 * s * b * h * layers + layer if cfg.activation_checkpointing else layer * layers
     adapters = size.lora_activation_bytes(cfg.lora) * s * b * layers if cfg.lora else 0  # in fp32 already
     return int((2 if fp32 else 1) * pp * kept + adapters // (1 if fp32 else 2))
