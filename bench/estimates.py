@@ -23,7 +23,7 @@ import torch  # noqa: E402
 from tiny_model import tiny_bpe_tokenizer  # noqa: E402
 from transformers import AutoConfig, AutoModelForSequenceClassification  # noqa: E402
 
-from tasks.contracts.training import TrainingJob  # noqa: E402
+from tasks.contracts.training import Result, TrainingJob  # noqa: E402
 from tasks.core import cluster  # noqa: E402
 from tasks.core.config import DataConfig, ModelConfig  # noqa: E402
 from tasks.core.data import load_splits  # noqa: E402
@@ -90,15 +90,12 @@ def documents(folder: Path, rows: int = 64) -> Path:
     return folder
 
 
-def measured(model: Path, root: str, name: str, cfg: TrainConfig, length: int = MAX_LENGTH, data: Path = DATA) -> dict:
-    """A run of cfg on data's train and validation splits: its estimated and peak GiB per worker, its
-    workers and its training samples/s."""
+def fitted(model: Path, root: str, name: str, cfg: TrainConfig, length: int = MAX_LENGTH, data: Path = DATA) -> Result:
+    """cfg trained on data's train and validation splits (JSONL), tokenized for the model at `length`, as
+    run `name` under `root`."""
     splits = load_splits(DataConfig(**{f"{s}_uri": str(data / f"{s}.jsonl") for s in ("train", "validation")}))
     key = tokenize_key(splits, str(model), length, root)
     shards = tokenize.with_options(refresh_cache=not key.shards_exist())(key, splits, str(model))
-    the_plan = plan_of(cfg, cluster.Resources.of_cluster())
-    size = strategy.ModelSize.of(str(model), 2)
-    need = strategy.need_bytes(size, cfg, the_plan.workers, the_plan.micro_batch, length, use_gpu=False)
     job = TrainingJob(
         shards=shards,
         model=ModelConfig(name_or_path=str(model), max_length=length),
@@ -106,7 +103,15 @@ def measured(model: Path, root: str, name: str, cfg: TrainConfig, length: int = 
         train=cfg,
         store=RunStore.at(f"{root}/runs/{name}"),
     )
-    last = train(job).history[-1]
+    return train(job)
+
+
+def measured(model: Path, root: str, name: str, cfg: TrainConfig, length: int = MAX_LENGTH, data: Path = DATA) -> dict:
+    """A run of cfg (fitted): its estimated and peak GiB per worker, its workers and its training samples/s."""
+    the_plan = plan_of(cfg, cluster.Resources.of_cluster())
+    size = strategy.ModelSize.of(str(model), 2)
+    need = strategy.need_bytes(size, cfg, the_plan.workers, the_plan.micro_batch, length, use_gpu=False)
+    last = fitted(model, root, name, cfg, length, data).history[-1]
     peak = last.peak_memory_mb * 2**20 / strategy.GIB
     return {"need": need / strategy.GIB, "peak": peak, "workers": the_plan.workers, "samples/s": last.samples_per_s}
 

@@ -18,20 +18,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
+from estimates import DATA, fitted  # noqa: E402
 from tiny_model import tiny_bpe_tokenizer, tiny_decoder, tiny_random_model  # noqa: E402
 
-from tasks.contracts.training import TrainingJob  # noqa: E402
 from tasks.core import cluster  # noqa: E402
-from tasks.core.config import DataConfig, ModelConfig  # noqa: E402
-from tasks.core.data import load_splits  # noqa: E402
-from tasks.core.layout import RunStore  # noqa: E402
 from tasks.core.models import SPLITTABLE, SPLITTABLE_DECODERS  # noqa: E402
 from tasks.core.train_config import TrainConfig  # noqa: E402
-from tasks.tokenize.driver import tokenize_key  # noqa: E402
-from tasks.tokenize.task import tokenize  # noqa: E402
-from tasks.train.task import train  # noqa: E402
 
-DATA = ROOT / "data" / "rotten_tomatoes"
 RUN = {"max_steps": 4, "batch_size": 16, "micro_batch_size": 4, "num_workers": 2, "learning_rate": 1e-3}
 SPLITS = {"tensor_parallel_size": "tp2", "pipeline_parallel_size": "pp2"}
 
@@ -46,18 +39,9 @@ def tiny(folder: Path, family: str) -> Path:
 
 
 def trained(model: Path, root: str, name: str, **split) -> tuple[list[float], float]:
-    splits = load_splits(DataConfig(**{f"{s}_uri": str(DATA / f"{s}.jsonl") for s in ("train", "validation")}))
-    key = tokenize_key(splits, str(model), 64, root)
-    shards = tokenize.with_options(refresh_cache=not key.shards_exist())(key, splits, str(model))
+    """The per-step training losses and the layer parameters a worker held, of RUN split as `split` says."""
     cfg = TrainConfig(**RUN, **split, eval_every_steps=0, log_every_steps=1)
-    job = TrainingJob(
-        shards=shards,
-        model=ModelConfig(name_or_path=str(model), max_length=64),
-        targets=splits["train"].targets,
-        train=cfg,
-        store=RunStore.at(f"{root}/runs/{name}"),
-    )
-    result = train(job)
+    result = fitted(model, root, name, cfg, length=64, data=DATA)
     return [point.loss for point in result.curve.train], result.layer_parameter_mb
 
 

@@ -182,9 +182,9 @@ def check_lora_targets(lora: Lora | None, name_or_path: str, task: str) -> None:
     model built on the meta device from its config alone, in about a second."""
     if lora is None or lora.target_modules == "all-linear":
         return
-    names = adaptable_modules(name_or_path, task)
+    names = [name for name, *_ in linear_layers(meta_classifier(name_or_path, task))]
     for target in lora.target_modules:
-        if not any(name == target or name.endswith(f".{target}") for name in names):
+        if not any(adapts(name, [target]) for name in names):
             short = sorted({name.rpartition(".")[2] for name in names})
             raise ValueError(
                 f"train.lora.target_modules: {name_or_path} has no linear layer '{target}'; its linear layers "
@@ -192,18 +192,40 @@ def check_lora_targets(lora: Lora | None, name_or_path: str, task: str) -> None:
             )
 
 
-def adaptable_modules(name_or_path: str, task: str) -> list[str]:
-    """The dotted names of the model's layers LoRA adapts (linear, GPT-2's Conv1D), the head excepted."""
+def adapts(name: str, targets: list[str] | str) -> bool:
+    """Whether LoRA's target_modules take the layer of that dotted name: all-linear, or its name or its end."""
+    return targets == "all-linear" or any(name == target or name.endswith(f".{target}") for target in targets)
+
+
+def meta_classifier(name_or_path: str, task: str, labels: int = 2):
+    """The model as ftflow trains it for `task` (a token or a sequence classifier of `labels` outputs),
+    built on the meta device from its config alone: its structure, without weights or memory."""
     import torch
     from transformers import AutoConfig, AutoModelForSequenceClassification, AutoModelForTokenClassification
-    from transformers.pytorch_utils import Conv1D
 
     folder = model_folder(name_or_path)
     head = AutoModelForTokenClassification if task == "token_classification" else AutoModelForSequenceClassification
+    config = AutoConfig.from_pretrained(folder, num_labels=labels, **hub_free(folder))
     with torch.device("meta"):
-        model = head.from_config(AutoConfig.from_pretrained(folder, **hub_free(folder)))
+        return head.from_config(config)
+
+
+def linear_layers(model) -> list[tuple[str, int, int]]:
+    """Every linear layer of `model` but its head (classifier, score), GPT-2's Conv1D too, as (dotted name,
+    in features, out features): what LoRA's all-linear adapts."""
+    import torch
+    from transformers.pytorch_utils import Conv1D
+
     return [
-        name
+        (name, module.in_features, module.out_features)
+        if isinstance(module, torch.nn.Linear)
+        else (name, *module.weight.shape)  # Conv1D's weight is (in, out)
         for name, module in model.named_modules()
         if isinstance(module, torch.nn.Linear | Conv1D) and name.split(".")[0] not in ("classifier", "score")
     ]
+
+
+def layers_of(model) -> list:
+    """A transformer's layers: a BERT-family encoder's (encoder.layer), a decoder's (layers); none for others."""
+    base = model.base_model
+    return list(getattr(getattr(base, "encoder", None), "layer", None) or getattr(base, "layers", None) or [])

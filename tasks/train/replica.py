@@ -9,6 +9,7 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 
+from tasks.core.models import layers_of
 from tasks.core.objective import mean_loss, real_rows
 from tasks.core.text import model_inputs
 from tasks.train import pipeline
@@ -126,8 +127,7 @@ class Replica:
         if self.names is not None:
             kinds = pipeline.EncoderLayer | pipeline.DecoderLayer
             return [layer.layer for layer in self.engine.module.forward_funcs if isinstance(layer, kinds)]
-        base = self.engine.module.base_model
-        return list(getattr(getattr(base, "encoder", None), "layer", None) or getattr(base, "layers", None) or [])
+        return layers_of(self.engine.module)
 
     def exported(self) -> tuple[torch.nn.Module | None, dict | None]:
         """(model, state dict) for rank 0 to save, the whole model gathered from where it is split

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tasks.contracts.training import Choice
-from tasks.core.models import hub_free
+from tasks.core.models import adapts, layers_of, linear_layers, meta_classifier
 from tasks.core.train_config import AUTO_CHOOSES, Lora, TrainConfig
 
 GIB = 2**30
@@ -51,24 +51,12 @@ class ModelSize:
     @classmethod
     def of(cls, name_or_path: str, labels: int) -> ModelSize:
         """Counted on the model's structure, built without weights (meta device): no load."""
-        import torch
-        from transformers import AutoConfig, AutoModelForSequenceClassification  # strategy=auto's only
-        from transformers.pytorch_utils import Conv1D
-
-        config = AutoConfig.from_pretrained(name_or_path, num_labels=labels, **hub_free(name_or_path))
-        with torch.device("meta"):
-            model = AutoModelForSequenceClassification.from_config(config)
-        base = model.base_model
-        layers = getattr(getattr(base, "encoder", None), "layer", None) or getattr(base, "layers", None) or []
-        linears = [  # what LoRA's all-linear adapts: every linear layer (GPT-2's Conv1D) but the head
-            (name, *module.weight.shape[::-1])
-            for name, module in model.named_modules()
-            if isinstance(module, torch.nn.Linear | Conv1D) and not name.startswith(("classifier", "score"))
-        ]
+        model = meta_classifier(name_or_path, "single_label", labels)
+        config, linears = model.config, linear_layers(model)
         head = getattr(model, "classifier", None) or getattr(model, "score", None)
         return cls(
             params=sum(p.numel() for p in model.parameters()),
-            layer_params=sum(p.numel() for p in layers.parameters()) if layers else 0,
+            layer_params=sum(p.numel() for layer in layers_of(model) for p in layer.parameters()),
             largest_layer=max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()),
             hidden=config.hidden_size,
             heads=config.num_attention_heads,
@@ -78,17 +66,12 @@ class ModelSize:
             gated=any(name.endswith("gate_proj") for name, *_ in linears),
             linears=tuple(linears),
             head_params=sum(p.numel() for p in head.parameters()) if head is not None else 0,
-            fused_attention=model.config._attn_implementation != "eager",
+            fused_attention=config._attn_implementation != "eager",
         )
 
     def adapted(self, lora: Lora) -> list[tuple[str, int, int]]:
         """The linear layers LoRA adapts."""
-        targets = lora.target_modules
-        return [
-            linear
-            for linear in self.linears
-            if targets == "all-linear" or any(linear[0] == t or linear[0].endswith(f".{t}") for t in targets)
-        ]
+        return [linear for linear in self.linears if adapts(linear[0], lora.target_modules)]
 
     def lora_params(self, lora: Lora) -> int:
         """What LoRA trains: r x (in + out) for each adapted linear layer, and the head in full."""
