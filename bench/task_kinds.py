@@ -32,7 +32,7 @@ from pathlib import Path
 
 from end_to_end import FTFLOW, environment
 
-from tasks.core.config import default_model
+from tasks.core.model_config import default_model
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 PAPER_MACRO_F1 = 0.46

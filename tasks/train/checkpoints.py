@@ -21,7 +21,7 @@ from tasks.contracts.training import SCORE, STATE_FILE, UNVALIDATED, Curve, Kept
 from tasks.core import storage
 from tasks.core.progress import say
 from tasks.core.train_config import TrainConfig
-from tasks.train.engine import loaded
+from tasks.train.engine import loaded, precision_of
 from tasks.train.lora import merged
 from tasks.train.replica import Replica
 from tasks.train.spec import Progress, WorkerSpec
@@ -63,8 +63,10 @@ def export(replica: Replica, tokenizer, spec: WorkerSpec, result: Result) -> Non
     model, weights = replica.exported()
     if dist.get_rank() == 0:
         weights = weights or model.state_dict()
-        if spec.train.lora:  # one folder with the adapters merged into the checkpoint's own weights
-            model, weights = merged(model, weights, loaded(spec, tokenizer.pad_token_id)[0], spec.adapter_uri)
+        if spec.train.lora:  # one folder with the adapters merged into the frozen weights
+            rounded = spec.init == "pretrained" and precision_of(replica.engine) != "fp32"
+            checkpoint = loaded(spec, tokenizer.pad_token_id)[0] if rounded else None
+            model, weights = merged(model, weights, spec.adapter_uri, checkpoint)
         weights = {name: tensor.float() if tensor.is_floating_point() else tensor for name, tensor in weights.items()}
         config = copy.deepcopy(model.config)
         config.dtype = torch.float32  # transformers takes the saved dtype from the module's parameters

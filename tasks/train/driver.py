@@ -104,6 +104,7 @@ def worker_spec(job: TrainingJob, cfg: TrainConfig, the_plan: Plan, train_count:
         plan=the_plan,
         deepspeed=deepspeed_config(cfg, the_plan, max_steps, hidden_size),
         model=model.name_or_path,
+        init=model.init,
         targets=job.targets,
         max_length=model.max_length,
         batches_per_epoch=batches_per_epoch,

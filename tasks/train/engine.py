@@ -40,7 +40,8 @@ def build_model(spec: WorkerSpec, pad_token_id: int):
     # engine splits it, then partitions its shards.
     # Nor can it replace a classifier of another shape (ignore_mismatched_sizes does not reach it):
     # a fine-tuned model trained to other outputs is loaded whole too, and partitioned by the engine.
-    partitioned = spec.train.zero_stage == 3 and spec.train.tensor_parallel_size == 1 and head_fits(spec)
+    fits = spec.init == "random" or head_fits(spec)
+    partitioned = spec.train.zero_stage == 3 and spec.train.tensor_parallel_size == 1 and fits
     zero_init = HfDeepSpeedConfig(spec.deepspeed) if partitioned else None  # noqa: F841 (kept alive)
     model, loading = loaded(spec, pad_token_id)
     if spec.targets.task != "token_classification":  # a token classifier reads every token's last layer
@@ -54,19 +55,27 @@ def build_model(spec: WorkerSpec, pad_token_id: int):
 
 
 def loaded(spec: WorkerSpec, pad_token_id: int) -> tuple[torch.nn.Module, dict]:
-    """The checkpoint as a classifier of the targets, and transformers' loading info (its missing keys:
-    the weights the checkpoint did not have, which LoRA trains in full)."""
+    """The model as a classifier of the targets, and transformers' loading info (its missing keys: the
+    weights the checkpoint did not have, which LoRA trains in full). `init: random` draws every weight by
+    the config's initialiser (seeded: setup), on this worker, and reads none: nothing is missing."""
     names, tagged = spec.targets.names, spec.targets.task == "token_classification"
     outputs = {"problem_type": spec.targets.problem_type} if not tagged else {}  # the loss (tasks/core/objective.py)
-    return (AutoModelForTokenClassification if tagged else AutoModelForSequenceClassification).from_pretrained(
-        spec.model,
-        num_labels=len(names),
-        id2label=dict(enumerate(names)),
-        label2id={name: i for i, name in enumerate(names)},
-        ignore_mismatched_sizes=True,  # a classifier of other outputs (a fine-tuned model's): a new head
-        pad_token_id=pad_token_id,  # what a decoder's classifier finds the last real token by, in its exported config
-        output_loading_info=True,
+    classifier = {
+        "num_labels": len(names),
+        "id2label": dict(enumerate(names)),
+        "label2id": {name: i for i, name in enumerate(names)},
+        "pad_token_id": pad_token_id,  # what a decoder's classifier finds the last real token by, in its exported config
         **outputs,
+    }
+    auto = AutoModelForTokenClassification if tagged else AutoModelForSequenceClassification
+    if spec.init == "random":
+        config = AutoConfig.from_pretrained(spec.model, **classifier, **hub_free(spec.model))
+        return auto.from_config(config), {"missing_keys": []}
+    return auto.from_pretrained(
+        spec.model,
+        ignore_mismatched_sizes=True,  # a classifier of other outputs (a fine-tuned model's): a new head
+        output_loading_info=True,
+        **classifier,
         **hub_free(spec.model),
     )
 

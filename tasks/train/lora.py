@@ -4,7 +4,8 @@ as they are), and the adapter alone beside it (peft's own folder, the head in it
 of the target modules is tasks/core/models.py `check_lora_targets`.
 
 peft's merge is not ZeRO-aware (a ZeRO-3 worker holds a shard of each weight), so rank 0 merges the
-trained adapters and head, from the consolidated weights, into the checkpoint loaded afresh on its CPU.
+trained adapters and head from the consolidated weights: into the engine's own frozen weights, or into
+the checkpoint loaded afresh on its CPU where the engine holds them rounded to 16 bits.
 Worker side: imports no Prefect.
 """
 
@@ -53,15 +54,24 @@ def parameter_counts(model: torch.nn.Module) -> tuple[int, int]:
 
 
 def merged(
-    model: PeftModel, weights: dict[str, torch.Tensor], base: torch.nn.Module, adapter_uri: str
+    model: PeftModel, weights: dict[str, torch.Tensor], adapter_uri: str, checkpoint: torch.nn.Module | None
 ) -> tuple[torch.nn.Module, dict]:
-    """Rank 0: `base` (the checkpoint, loaded whole on the CPU) with the trained adapters and head of
-    `model`'s consolidated `weights` merged in, and its state dict; the adapter alone (adapter_config.json,
-    adapter_model.safetensors) is written to `adapter_uri`. The frozen weights are the checkpoint's, not
-    the engine's: a bf16 engine holds them rounded to bf16, with no fp32 copy (its optimizer has none)."""
-    fresh = get_peft_model(base, model.peft_config[model.active_adapter], autocast_adapter_dtype=False)
-    trained = [name for name, parameter in fresh.named_parameters() if parameter.requires_grad]
-    fresh.load_state_dict({name: weights[name] for name in trained}, strict=False)
+    """Rank 0: the model with the trained adapters and head of `model`'s consolidated `weights` merged
+    in, and its state dict; the adapter alone (adapter_config.json, adapter_model.safetensors) is written
+    to `adapter_uri`. The frozen weights are `checkpoint`'s (loaded whole on the CPU) where one is given:
+    a bf16 engine holds them rounded, with no fp32 copy (its optimizer has none). Else they are the
+    engine's own, in `weights`, taken as they are: no second copy of the model (a 1B-parameter model
+    in fp32 is 4 GiB more on rank 0)."""
+    config = model.peft_config[model.active_adapter]
+    if checkpoint is None:  # a skeleton, its tensors the engine's
+        with torch.device("meta"):
+            base = model.get_base_model()
+            fresh = get_peft_model(type(base)(base.config), config, autocast_adapter_dtype=False)
+        fresh.load_state_dict(weights, assign=True)
+    else:
+        fresh = get_peft_model(checkpoint, config, autocast_adapter_dtype=False)
+        trained = [name for name, parameter in fresh.named_parameters() if parameter.requires_grad]
+        fresh.load_state_dict({name: weights[name] for name in trained}, strict=False)
     with tempfile.TemporaryDirectory() as folder:
         fresh.save_pretrained(folder)
         storage.upload_dir(folder, adapter_uri)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pydantic import BaseModel
 
 from tasks.contracts.training import Curve, EpochRecord
+from tasks.core.model_config import ModelInit
 from tasks.core.targets import Targets
 from tasks.core.train_config import TrainConfig
 
@@ -37,6 +38,7 @@ class WorkerSpec(BaseModel):
     plan: Plan
     deepspeed: dict
     model: str
+    init: ModelInit  # the model's weights: the saved ones, or drawn from its config (ModelConfig.init)
     targets: Targets  # what the model outputs: classes, labels or numbers
     max_length: int
     batches_per_epoch: int  # micro-batches per worker and epoch, the same on every worker

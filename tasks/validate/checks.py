@@ -72,7 +72,7 @@ def run_inputs(params: FinetuneParams, store: RunStore | None) -> RunInputs:
     split of it train asks for, the files to label, the storage root, and, once the run's id is known,
     its folder."""
     splits = splits_of(params.data)
-    training_model(params.model.name_or_path)
+    training_model(params.model)
     check_length(params.model)
     check_parallelism(params.train, params.model, params.data.task)  # in the flow, after Prefect's server: 5-11 s
     check_lora_targets(params.train.lora, params.model.name_or_path, params.data.task)
