@@ -43,6 +43,10 @@ def test_lora_trains_adapters_and_exports_them_merged_and_alone(strategy, tokeni
     assert result.history[-1].step == 4
     if strategy == "zero3-resumed":
         assert result.history[-1].resumed_from_step == 2
+        # resumed from a checkpoint of the trained parameters alone: the frozen ones loaded again
+        checkpoints = [folder for folder in (run / "train" / "ray").glob("checkpoint_*") if folder.is_dir()]
+        model_bytes = (run / "model" / "model.safetensors").stat().st_size
+        assert len(checkpoints) == 2 and all(folder_bytes(folder) < model_bytes / 2 for folder in checkpoints)
     # what peft counts as trainable in the same adapters on the base model: the run trained that many
     base = AutoModelForSequenceClassification.from_pretrained(tiny_model)
     config = LoraConfig(task_type=TaskType.SEQ_CLS, r=4, lora_alpha=8, target_modules="all-linear")
@@ -77,3 +81,7 @@ def test_a_sweep_searches_the_lora_rank(tiny_model, small_data, tmp_path):
     assert trial.lora == Lora(r=16) and trial.learning_rate == 1e-3
     with pytest.raises(ValueError, match=r"sweep.space.train.lora.r: 0: .*greater than or equal to 1"):
         SweepParams.model_validate(params.model_dump() | {"sweep": {"space": {"train.lora.r": {"choice": [0]}}}})
+
+
+def folder_bytes(folder: Path) -> int:
+    return sum(file.stat().st_size for file in folder.rglob("*") if file.is_file())

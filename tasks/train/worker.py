@@ -37,7 +37,7 @@ from tasks.core.objective import right
 from tasks.core.progress import Tick, post, say
 from tasks.core.scoring import tuned_thresholds
 from tasks.train.batches import training_batches
-from tasks.train.checkpoints import CheckpointPolicy, export, resume, save
+from tasks.train.checkpoints import CheckpointPolicy, export, restore, resume, save
 from tasks.train.engine import engine_line, setup
 from tasks.train.evaluation import predicted
 from tasks.train.lora import parameter_counts
@@ -284,7 +284,7 @@ class Recipe:
         if best is not None:
             self.pulse("loading the best checkpoint", kept.step)
             with best.as_directory() as folder:
-                self.engine.load_checkpoint(folder, tag="state")
+                restore(self.engine, folder)
             self.predictions = None  # the last step's: the best step's are taken again (finish)
         return kept
 
