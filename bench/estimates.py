@@ -55,9 +55,10 @@ STRATEGIES = {
 }
 
 
-def llama(folder: Path, name: str, shape: dict, positions: int = MAX_LENGTH) -> Path:
+def llama(folder: Path, name: str, shape: dict, positions: int = MAX_LENGTH, weights: bool = True) -> Path:
     """A random Llama-style classifier of the shape (4 query heads per key-value head), its tokenizer
-    learnt on the reviews (the vocabulary 32,000 all the same: a large model's embeddings), saved."""
+    learnt on the reviews (the vocabulary 32,000 all the same: a large model's embeddings), saved; without
+    `weights`, its config alone (for model.init: random)."""
     texts = [json.loads(line)["text"] for line in (DATA / "train.jsonl").read_text().split("\n")[:2000]]
     tokenizer = tiny_bpe_tokenizer(texts)
     special = dict.fromkeys(("bos_token_id", "eos_token_id"), tokenizer.eos_token_id)
@@ -65,18 +66,22 @@ def llama(folder: Path, name: str, shape: dict, positions: int = MAX_LENGTH) -> 
     config = AutoConfig.for_model(
         "llama", vocab_size=32000, num_labels=2, max_position_embeddings=positions, **special, **shape, **kv_heads
     )
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        AutoModelForSequenceClassification.from_config(config).save_pretrained(folder / name)
+    if weights:
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            AutoModelForSequenceClassification.from_config(config).save_pretrained(folder / name)
+    else:
+        config.save_pretrained(folder / name)
     tokenizer.save_pretrained(folder / name)
     return folder / name
 
 
-def documents(folder: Path, rows: int = 64) -> Path:
-    """Train and validation splits of `rows` documents, each about 8,000 words of consecutive reviews."""
+def documents(folder: Path, rows: int = 64, validation_rows: int | None = None) -> Path:
+    """Train, validation and test splits of `rows` documents (validation and test: `validation_rows` of
+    them, if given), each about 8,000 words of consecutive reviews."""
     reviews = [json.loads(line) for line in (DATA / "train.jsonl").read_text().strip().split("\n")]
     per_document = len(reviews) // rows
-    for split in ("train", "validation"):
+    for split in ("train", "validation", "test"):
         lines = [
             json.dumps(
                 {
@@ -84,21 +89,29 @@ def documents(folder: Path, rows: int = 64) -> Path:
                     "label": reviews[i * per_document]["label"],
                 }
             )
-            for i in range(rows)
+            for i in range(validation_rows if validation_rows and split != "train" else rows)
         ]
         (folder / f"{split}.jsonl").write_text("\n".join(lines) + "\n")
     return folder
 
 
-def fitted(model: Path, root: str, name: str, cfg: TrainConfig, length: int = MAX_LENGTH, data: Path = DATA) -> Result:
-    """cfg trained on data's train and validation splits (JSONL), tokenized for the model at `length`, as
-    run `name` under `root`."""
-    splits = load_splits(DataConfig(**{f"{s}_uri": str(data / f"{s}.jsonl") for s in ("train", "validation")}))
+def fitted(
+    model: Path,
+    root: str,
+    name: str,
+    cfg: TrainConfig,
+    length: int = MAX_LENGTH,
+    data: Path = DATA,
+    init: str = "pretrained",
+) -> Result:
+    """cfg trained on data's train, validation and test splits (JSONL), tokenized for the model at `length`, as
+    run `name` under `root`, the model's weights as `init` says (ModelConfig.init)."""
+    splits = load_splits(DataConfig(**{f"{s}_uri": str(data / f"{s}.jsonl") for s in ("train", "validation", "test")}))
     key = tokenize_key(splits, str(model), length, root)
     shards = tokenize.with_options(refresh_cache=not key.shards_exist())(key, splits, str(model))
     job = TrainingJob(
         shards=shards,
-        model=ModelConfig(name_or_path=str(model), max_length=length),
+        model=ModelConfig(name_or_path=str(model), max_length=length, init=init),
         targets=splits["train"].targets,
         train=cfg,
         store=RunStore.at(f"{root}/runs/{name}"),
@@ -106,14 +119,29 @@ def fitted(model: Path, root: str, name: str, cfg: TrainConfig, length: int = MA
     return train(job)
 
 
-def measured(model: Path, root: str, name: str, cfg: TrainConfig, length: int = MAX_LENGTH, data: Path = DATA) -> dict:
-    """A run of cfg (fitted): its estimated and peak GiB per worker, its workers and its training samples/s."""
-    the_plan = plan_of(cfg, cluster.Resources.of_cluster())
+def need_gib(model: Path, cfg: TrainConfig, length: int = MAX_LENGTH) -> tuple[float, int]:
+    """strategy=auto's need per worker (GiB) for cfg on this cluster, planned as a run plans it, and its workers."""
+    resources = cluster.Resources.of_cluster()
+    the_plan, use_gpu = plan_of(cfg, resources), resources.use_gpu(cfg.device)
     size = strategy.ModelSize.of(str(model), 2)
-    need = strategy.need_bytes(size, cfg, the_plan.workers, the_plan.micro_batch, length, use_gpu=False)
-    last = fitted(model, root, name, cfg, length, data).history[-1]
+    need = strategy.need_bytes(size, cfg, the_plan.workers, the_plan.micro_batch, length, use_gpu)
+    return need / strategy.GIB, the_plan.workers
+
+
+def measured(
+    model: Path,
+    root: str,
+    name: str,
+    cfg: TrainConfig,
+    length: int = MAX_LENGTH,
+    data: Path = DATA,
+    init: str = "pretrained",
+) -> dict:
+    """A run of cfg (fitted): its estimated and peak GiB per worker, its workers and its training samples/s."""
+    need, workers = need_gib(model, cfg, length)
+    last = fitted(model, root, name, cfg, length, data, init).history[-1]
     peak = last.peak_memory_mb * 2**20 / strategy.GIB
-    return {"need": need / strategy.GIB, "peak": peak, "workers": the_plan.workers, "samples/s": last.samples_per_s}
+    return {"need": need, "peak": peak, "workers": workers, "samples/s": last.samples_per_s}
 
 
 def main() -> None:
