@@ -13,7 +13,8 @@ from tasks.core.predictor import Predictor
 
 def test_a_model_in_s3_labels_texts_and_its_download_is_removed(s3_endpoint, tiny_model, tmp_path, monkeypatch):
     uri = f"s3://{BUCKET}/predictor-test/model"
-    storage.upload_dir(tiny_model, uri)
+    fs, path = storage.filesystem(uri)
+    fs.put(f"{tiny_model}/", path, recursive=True)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the download goes
     probabilities = Predictor(uri, batch_size=8).outputs(["a fine film", "a dull film", "great"])
     assert probabilities.shape == (3, 2) and np.allclose(probabilities.sum(1), 1) and (probabilities > 0).all()

@@ -6,7 +6,8 @@
 # `ftflow doctor`, then ftflow at its defaults and at ZeRO-2/3 (batch 256), a plain bf16 loop and the HF
 # Trainer on the same rows and model, `ftflow infer` on 100k rows beside a plain GPU loop. Everything it
 # prints, each step's output and each run's log, stall reports and manifest go to $OUT (else /tmp/out);
-# the summary at the end has one line per measurement, each naming the card. `e2e` and `e2e-b256` run
+# the summary at the end has one line per measurement, each naming the card. `largest` (bench/largest.py),
+# `e2e` and `e2e-b256` run
 # bench/end_to_end.py (the whole job against the HF Trainer script) only when named in STEPS, and
 # `engines` (`ftflow infer` with each other inference.engine, after infer) too.
 set -uo pipefail
@@ -159,6 +160,16 @@ for engine in compile deepspeed; do want engines || break
   result "RESULT ftflow infer, engine $engine, batch 256: $(grep -oP '^rows/s:\s*\K[\d,]+' "$O/infer-$engine.txt" || echo '-') rows/s (its job), $secs s wall with start-up, exit $rc"
   stop_ray
 done
+
+# largest (only when named): bench/largest.py (issue 56), the largest Llama-style model each one-GPU strategy
+# trains, its weights drawn on the device from a config (model.init: random), bf16, full and LoRA: the whole
+# job per size. LARGEST_ONLY and LARGEST_SIZES replace its strategies and ladder. The disk (64 GiB) bounds
+# what completes: a full fine-tuning checkpoint takes ~16 bytes a parameter, an export 4 (fp32).
+if want largest; then t=$(allow 560 0); log "largest: limit $t s"
+  timeout -s INT -k 15 "$t" python3 bench/largest.py --only "${LARGEST_ONLY:-zero0-1w,zero3-1w-offload,lora-zero3-1w}" \
+    --sizes "${LARGEST_SIZES:-1.0B,2.9B,8.2B,14B,30B}" > "$O/largest.txt" 2>&1
+  grep -E "^\||<!--" "$O/largest.txt" | tee -a "$RES"; quiet "$O/largest.txt" | tail -5; stop_ray
+fi
 
 log "summary, $CARD"
 awk -v card="$CARD" '{ sub(/^RESULT /, card " | "); print }' "$RES"

@@ -102,7 +102,7 @@ def export(replica: Replica, tokenizer, spec: WorkerSpec, result: Result) -> Non
             config.save_pretrained(folder)
             tokenizer.save_pretrained(folder)
             Path(folder, STATE_FILE).write_text(result.model_dump_json())
-            storage.upload_dir(folder, spec.model_uri)
+            storage.move_dir(folder, spec.model_uri)
     dist.barrier()
 
 

@@ -74,6 +74,6 @@ def merged(
         fresh.load_state_dict({name: weights[name] for name in trained}, strict=False)
     with tempfile.TemporaryDirectory() as folder:
         fresh.save_pretrained(folder)
-        storage.upload_dir(folder, adapter_uri)
+        storage.move_dir(folder, adapter_uri)
     whole = fresh.merge_and_unload()
     return whole, whole.state_dict()
