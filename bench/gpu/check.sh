@@ -166,7 +166,7 @@ done
 # job per size. LARGEST_ONLY and LARGEST_SIZES replace its strategies and ladder. The disk (64 GiB) bounds
 # what completes: a full fine-tuning checkpoint takes ~16 bytes a parameter, an export 4 (fp32).
 if want largest; then t=$(allow 560 0); log "largest: limit $t s"
-  timeout -s INT -k 15 "$t" python3 bench/largest.py --only "${LARGEST_ONLY:-zero0-1w,zero3-1w-offload,lora-zero3-1w}" \
+  timeout -s INT -k 15 "$t" python3 bench/largest.py --only "${LARGEST_ONLY:-zero3-1w-offload,lora-zero3-1w}" \
     --sizes "${LARGEST_SIZES:-1.0B,2.9B,8.2B,14B,30B}" > "$O/largest.txt" 2>&1
   grep -E "^\||<!--" "$O/largest.txt" | tee -a "$RES"; quiet "$O/largest.txt" | tail -5; stop_ray
 fi
