@@ -21,26 +21,29 @@ import time
 from pathlib import Path
 
 import psutil
+import ray
 from estimates import documents, llama, measured, need_gib
 
 from tasks.core import cluster
 from tasks.core.train_config import Lora, TrainConfig
 from tasks.train import strategy
 
-# hidden size and layers; heads of 128 dimensions, a SwiGLU feed-forward of 8/3 the hidden size
+# hidden size, layers and attention heads (4 per key-value head: an even number of key-value heads, which
+# tensor parallelism of 2 divides; the key-value width, and so the parameters, is a quarter of the hidden
+# size however many); a SwiGLU feed-forward of 8/3 the hidden size
 LADDER = {
-    "0.2B": (1024, 16),
-    "0.45B": (1536, 16),
-    "0.77B": (2048, 16),
-    "1.0B": (2048, 22),
-    "1.5B": (2560, 20),
-    "2.0B": (2560, 28),
-    "2.9B": (3072, 28),
-    "3.9B": (3584, 28),
-    "5.1B": (4096, 28),
-    "8.2B": (4096, 46),
-    "14B": (5120, 50),
-    "30B": (6656, 64),
+    "0.2B": (1024, 16, 8),
+    "0.45B": (1536, 16, 16),
+    "0.77B": (2048, 16, 16),
+    "1.0B": (2048, 22, 16),
+    "1.5B": (2560, 20, 32),
+    "2.0B": (2560, 28, 32),
+    "2.9B": (3072, 28, 24),
+    "3.9B": (3584, 28, 32),
+    "5.1B": (4096, 28, 32),
+    "8.2B": (4096, 46, 32),
+    "14B": (5120, 50, 40),
+    "30B": (6656, 64, 64),
 }
 RUN = {
     "max_steps": 2,
@@ -67,12 +70,12 @@ MAX_LENGTH = 128
 
 
 def shape(size: str) -> dict:
-    hidden, layers = LADDER[size]
+    hidden, layers, heads = LADDER[size]
     intermediate = round(8 * hidden / 3 / 256) * 256
     return {
         "hidden_size": hidden,
         "num_hidden_layers": layers,
-        "num_attention_heads": hidden // 128,
+        "num_attention_heads": heads,
         "intermediate_size": intermediate,
     }
 
@@ -85,6 +88,14 @@ def budget(use_gpu: bool, reserve_gb: float) -> float:
     return psutil.virtual_memory().total * 0.95 / strategy.GIB - reserve_gb
 
 
+def settled(timeout_s: float = 120) -> None:
+    """Wait until the last run's workers have given their memory back (a run started while they exited
+    was killed for memory: ZeRO-1 at 0.45B, which fits alone)."""
+    deadline = time.monotonic() + timeout_s
+    while psutil.virtual_memory().available < 0.85 * psutil.virtual_memory().total and time.monotonic() < deadline:
+        time.sleep(2)
+
+
 def largest(name: str, models: dict[str, Path], folder: str, data: Path, args) -> None:
     """The strategy's largest fitting size, trained (stepping down a size on a failure), as a table row."""
     cfg = TrainConfig(**(RUN | STRATEGIES[name] | {"precision": args.precision}))
@@ -94,11 +105,15 @@ def largest(name: str, models: dict[str, Path], folder: str, data: Path, args) -
     fitting = [size for size in sizes if need_gib(models[size], cfg, MAX_LENGTH)[0] <= room]
     at = sizes.index(fitting[-1]) if fitting else 0
     while at >= 0:
+        settled()
         size, started = sizes[at], time.perf_counter()
         try:
             run = measured(models[size], folder, f"{name}-{size}", cfg, MAX_LENGTH, data, init="random")
         except Exception as error:  # noqa: BLE001 (out of memory ends a worker in many ways): one size down
             print(f"<!-- {name} at {size} failed: {str(error).splitlines()[0][:200]} -->", flush=True)
+            # a fresh local Ray: after a worker's OOM kill, the next run's workers were never placed (seen)
+            ray.shutdown()
+            cluster.connect()
             at -= 1
             continue
         finally:

@@ -90,11 +90,16 @@ class ModelSize:
 # fp32 training's bytes per trained parameter, (held whole, sharded over the replicas) by ZeRO stage: the
 # parameter 4, its gradient 4, DeepSpeed's fp32 copy of a ZeRO optimizer's partition 4 and Adam's two
 # moments 8. ZeRO-0 steps the parameters themselves (no copy); ZeRO-3 shards everything (and gathers a
-# layer at a time: largest_layer). ZeRO-1 and 2 hold 4 more whole: measured on a 99M-parameter Llama
+# layer at a time: largest_layer). ZeRO-1 and 2 hold more whole: measured on a 99M-parameter Llama
 # at 2 workers (bench/estimates.py), they peaked 0.13-0.15 GiB above ZeRO-0, not below, as DeepSpeed
 # flattens the parameters into a new buffer (the old storage stays in the worker's heap) and its
-# gradient bucket (5e8 elements by default) takes a model's worth of gradients at a time.
-FP32_BYTES = {0: (16, 0), 1: (12, 12), 2: (12, 16), 3: (0, 20)}
+# gradient bucket (5e8 elements by default) takes a model's worth of gradients at a time; ZeRO-1 4 more
+# again (its fp32 gradient accumulator), fitted at 0.45B parameters (bench/largest.py: 10.18 GiB peak).
+FP32_BYTES = {0: (16, 0), 1: (16, 12), 2: (12, 16), 3: (0, 20)}
+# ZeRO-0 over several replicas flattens the gradients for its all-reduce, a copy of them (a lone worker
+# skips it: tasks/train/worker.py no_sync): 4 bytes a parameter more, measured on a 0.45B-parameter
+# Llama at 2 workers (bench/largest.py: 9.45 GiB against 7.79 without them).
+ALL_REDUCE_COPY = 4
 
 
 def model_state_bytes(size: ModelSize, cfg: TrainConfig, workers: int, fp32: bool) -> int:
@@ -112,6 +117,7 @@ def model_state_bytes(size: ModelSize, cfg: TrainConfig, workers: int, fp32: boo
     shards = replicas if cfg.zero_stage == 3 else 1
     if fp32:
         whole, sharded = FP32_BYTES[cfg.zero_stage]
+        whole += ALL_REDUCE_COPY if cfg.zero_stage == 0 and replicas > 1 else 0
         gathered = 4 * size.largest_layer // tp if cfg.zero_stage == 3 else 0
         return whole * trained + sharded * trained // replicas + gathered + 4 * frozen // shards
     return trained_16bit_bytes(size, cfg, trained, replicas) + 2 * frozen // shards
