@@ -65,6 +65,7 @@ STRATEGIES = {
     "lora-zero0-1w": {"zero_stage": 0, "num_workers": 1, "lora": Lora()},
     "lora-zero3": {"zero_stage": 3, "num_workers": 2, "lora": Lora()},
     "lora-zero3-1w": {"zero_stage": 3, "num_workers": 1, "lora": Lora()},  # one GPU: drawn on it, partitioned
+    "lora-zero0-1w-ckpt": {"zero_stage": 0, "num_workers": 1, "lora": Lora(), "activation_checkpointing": True},
 }
 MAX_LENGTH = 128
 
