@@ -24,6 +24,7 @@ from tasks.core.train_config import TrainConfig
 from tasks.train.engine import loaded, precision_of
 from tasks.train.lora import merged
 from tasks.train.replica import Replica
+from tasks.train.reshard import TAG, load_resharded, needs_resharding
 from tasks.train.spec import Progress, WorkerSpec
 
 
@@ -33,7 +34,7 @@ def save(engine, progress: Progress, metrics: dict) -> None:
     with tempfile.TemporaryDirectory() as folder:
         engine.save_checkpoint(
             folder,
-            tag="state",
+            tag=TAG,
             client_state={"progress": progress.model_dump()},
             exclude_frozen_parameters=partly_frozen(engine),
         )
@@ -49,8 +50,12 @@ def partly_frozen(engine) -> bool:
 
 
 def restore(engine, folder: str) -> dict:
-    """The engine's state from a checkpoint's folder (save); its client state."""
-    return engine.load_checkpoint(folder, tag="state", load_module_strict=not partly_frozen(engine))[1]
+    """The engine's state from a checkpoint's folder (save), written at this world size or another
+    (tasks/train/reshard.py); its client state."""
+    strict = not partly_frozen(engine)
+    if needs_resharding(engine, folder):
+        return load_resharded(engine, folder, strict)
+    return engine.load_checkpoint(folder, tag=TAG, load_module_strict=strict)[1]
 
 
 def resume(engine, channel: str | None) -> Progress:

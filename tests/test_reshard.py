@@ -1,0 +1,143 @@
+"""A checkpoint written by 2 workers resumes at 1 and at 4 with every optimizer moment as it was saved:
+real DeepSpeed engines in real process groups (gloo), one per rank, each ZeRO stage's optimizer class,
+with and without offload."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+import torch.multiprocessing
+
+from ftflow.temporary_api import free_port
+from tasks.core.train_config import TrainConfig
+from tasks.train.checkpoints import restore
+from tasks.train.deepspeed_json import deepspeed_config
+from tasks.train.engine import param_groups
+from tasks.train.reshard import TAG
+from tasks.train.spec import Plan
+
+# ZeRO-1 and ZeRO-2 share one optimizer class (its universal load: stage_1_and_2.py); each class runs with
+# torch's AdamW and with DeepSpeed's CPU Adam (offload), which keep their step counts differently.
+STRATEGIES = {
+    "zero0": {"zero_stage": 0},
+    "zero1": {"zero_stage": 1},
+    "zero2-offload": {"zero_stage": 2, "offload_optimizer": True},
+    "zero3": {"zero_stage": 3},
+    "zero3-offload": {"zero_stage": 3, "offload_optimizer": True, "offload_params": True},
+}
+GLOBAL_BATCH = 8  # the same rows each step at every world size
+
+
+def engine_at(strategy: dict, model_dir: Path, world_size: int):
+    import deepspeed
+    from transformers import AutoModelForSequenceClassification
+
+    torch.manual_seed(0)  # the new classifier head, alike on every rank
+    model = AutoModelForSequenceClassification.from_pretrained(model_dir)
+    cfg = TrainConfig(batch_size=GLOBAL_BATCH, learning_rate=1e-2, **strategy)
+    plan = Plan(
+        workers=world_size,
+        cpus_per_worker=1,
+        micro_batch=GLOBAL_BATCH // world_size,
+        accumulation=1,
+        use_gpu=False,
+        precision="fp32",
+    )
+    config = deepspeed_config(cfg, plan, total_steps=10, hidden_size=model.config.hidden_size)
+    return deepspeed.initialize(model=model, model_parameters=param_groups(model), config=config)[0]
+
+
+def train_step(engine, step: int) -> None:
+    """One optimizer step on this rank's part of a global batch drawn from the step alone."""
+    rows = torch.Generator().manual_seed(step)
+    input_ids = torch.randint(5, 100, (GLOBAL_BATCH, 12), generator=rows)
+    labels = torch.randint(0, 2, (GLOBAL_BATCH,), generator=rows)
+    micro = engine.train_micro_batch_size_per_gpu()
+    mine = slice(engine.global_rank * micro, (engine.global_rank + 1) * micro)
+    engine.backward(engine(input_ids=input_ids[mine], labels=labels[mine]).loss)
+    engine.step()
+
+
+def base_optimizer(engine):
+    return getattr(engine.optimizer, "optimizer", engine.optimizer)  # ZeRO wraps torch's (or CPU) Adam
+
+
+def full_state(engine) -> dict[str, torch.Tensor]:
+    """Every parameter's whole fp32 weight and Adam moments, gathered from wherever they are partitioned
+    (a collective at ZeRO 1-3: every rank calls it), with each parameter group's hyperparameters."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    if engine.zero_optimization_stage() in (1, 2):
+        # DeepSpeed 0.19.8 links each parameter to its slice of Adam's state after the first group's first
+        # step, before the second group has any state: its slices stay empty. Linked again, now.
+        engine.optimizer._hp_optimizer_states_linked = False
+        engine.optimizer._lazy_init_hp_params_optimizer_state()
+    state = {}
+    for name, param in engine.module.named_parameters():
+        if engine.zero_optimization_stage() == 0:
+            kept = engine.optimizer.state[param]  # copies: the next step updates them in place
+            state[f"{name}.fp32"] = param.detach().clone()
+            for key in ("exp_avg", "exp_avg_sq"):
+                state[f"{name}.{key}"] = kept[key].clone()
+        else:
+            state[f"{name}.fp32"] = safe_get_full_fp32_param(param)
+            for key in ("exp_avg", "exp_avg_sq"):
+                state[f"{name}.{key}"] = safe_get_full_optimizer_state(param, key)
+    for i, group in enumerate(base_optimizer(engine).param_groups):
+        state[f"group{i}"] = torch.tensor([group["lr"], group["weight_decay"], *group["betas"]], dtype=torch.float64)
+    return state
+
+
+def steps_taken(engine) -> set[int]:
+    """The step count each of the optimizer's states holds (its bias correction's)."""
+    return {int(kept["step"]) for kept in base_optimizer(engine).state.values()}
+
+
+def world(rank: int, size: int, port: int, model_dir: Path, root: Path, save: bool) -> None:
+    """A rank of one process group: each strategy's engine two steps in and saved (save), or built and
+    restored from the saved checkpoint; rank 0 writes each one's gathered state, then its step counts
+    after one more step."""
+    os.environ |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(size)}
+    os.environ |= {"RANK": str(rank), "LOCAL_RANK": str(rank)}  # one machine
+    torch.set_num_threads(1)
+    import deepspeed
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # as tasks/train/engine.py: no op build
+    deepspeed.init_distributed(dist_backend="gloo")
+    for name, strategy in STRATEGIES.items():
+        engine = engine_at(strategy, model_dir, size)
+        if save:
+            for step in (1, 2):
+                train_step(engine, step)
+            engine.save_checkpoint(root / name, tag=TAG)
+        else:
+            restore(engine, str(root / name))
+        state = full_state(engine)
+        train_step(engine, 3)
+        if rank == 0:
+            torch.save({"state": state, "steps": steps_taken(engine)}, root / f"{name}-at-{size}.pt")
+
+
+def run_world(size: int, model_dir: Path, root: Path, save: bool = False) -> None:
+    torch.multiprocessing.start_processes(
+        world, args=(size, free_port(), model_dir, root, save), nprocs=size, start_method="spawn"
+    )
+
+
+def test_a_checkpoint_of_2_workers_resumes_at_1_and_at_4_with_its_optimizer_moments(tiny_model, tmp_path):
+    """Every fp32 weight, Adam moment and group hyperparameter as saved, bit for bit, and the next step
+    is each optimizer state's third: DeepSpeed's ZeRO-3 universal load alone gives the no-decay group
+    the decay, and counts a step per sub-group."""
+    run_world(2, tiny_model, tmp_path, save=True)
+    for size in (1, 4):
+        run_world(size, tiny_model, tmp_path)
+    for name in STRATEGIES:
+        saved = torch.load(tmp_path / f"{name}-at-2.pt")
+        for size in (1, 4):
+            resumed = torch.load(tmp_path / f"{name}-at-{size}.pt")
+            assert resumed["state"].keys() == saved["state"].keys()
+            differ = [key for key, value in saved["state"].items() if not torch.equal(value, resumed["state"][key])]
+            assert not differ, f"{name} at {size} worker(s): {differ[:5]}"
+            assert resumed["steps"] == saved["steps"] == {3}, f"{name} at {size} worker(s)"
