@@ -12,11 +12,11 @@ import torch.multiprocessing
 
 from ftflow.temporary_api import free_port
 from tasks.core.train_config import TrainConfig
-from tasks.train.checkpoints import restore
+from tasks.train.checkpoints import data_position_lost, restore
 from tasks.train.deepspeed_json import deepspeed_config
 from tasks.train.engine import param_groups
 from tasks.train.reshard import TAG
-from tasks.train.spec import Plan
+from tasks.train.spec import Plan, Progress
 
 # ZeRO-1 and ZeRO-2 share one optimizer class (its universal load: stage_1_and_2.py); each class runs with
 # torch's AdamW and with DeepSpeed's CPU Adam (offload), which keep their step counts differently.
@@ -141,3 +141,16 @@ def test_a_checkpoint_of_2_workers_resumes_at_1_and_at_4_with_its_optimizer_mome
             differ = [key for key, value in saved["state"].items() if not torch.equal(value, resumed["state"][key])]
             assert not differ, f"{name} at {size} worker(s): {differ[:5]}"
             assert resumed["steps"] == saved["steps"] == {3}, f"{name} at {size} worker(s)"
+
+
+def test_a_checkpoint_taken_mid_epoch_goes_on_only_at_the_world_size_that_took_it():
+    """Its data position is how far each worker read into its own part of the epoch; an epoch's end, or
+    a checkpoint from before ftflow recorded its world size, goes on anywhere."""
+    mid_epoch = Progress(epoch=1, batches_done=7, world_size=2)
+    assert data_position_lost(mid_epoch, 2, 135) is None
+    assert data_position_lost(mid_epoch, 4, 135) == (
+        "the checkpoint at step 135 was taken mid-epoch by 2 worker(s), and this run has 4: resume it with "
+        "num_workers=2, or from a checkpoint at an epoch's end"
+    )
+    assert data_position_lost(mid_epoch.model_copy(update={"batches_done": 0}), 4, 128) is None
+    assert data_position_lost(mid_epoch.model_copy(update={"world_size": None}), 4, 135) is None

@@ -31,6 +31,7 @@ from tasks.train.spec import Progress, WorkerSpec
 def save(engine, progress: Progress, metrics: dict) -> None:
     """Report a checkpoint from every rank: each writes its own ZeRO shards of the DeepSpeed engine
     state and Ray gathers them into one checkpoint; the progress travels inside it."""
+    progress = progress.model_copy(update={"world_size": dist.get_world_size()})
     with tempfile.TemporaryDirectory() as folder:
         engine.save_checkpoint(
             folder,
@@ -67,6 +68,8 @@ def resume(engine, channel: str | None) -> Progress:
     with checkpoint.as_directory() as folder:
         client_state = restore(engine, folder)
     progress = Progress.model_validate(client_state["progress"])
+    if error := data_position_lost(progress, dist.get_world_size(), engine.global_steps):
+        raise ValueError(error)
     if dist.get_rank() == 0 and channel is not None:
         say(
             channel,
@@ -75,6 +78,19 @@ def resume(engine, channel: str | None) -> Progress:
             f"micro-batch {progress.batches_done}",
         )
     return progress
+
+
+def data_position_lost(progress: Progress, world_size: int, step: int) -> str | None:
+    """Why a checkpoint cannot go on at this world size, if it cannot: one taken mid-epoch holds how far
+    each of its workers read into its own part of the epoch, and another number of workers splits the
+    epoch into other parts, so rows would be trained twice or never. At an epoch's end it goes on."""
+    if progress.world_size in (None, world_size) or progress.batches_done == 0:
+        return None
+    return (
+        f"the checkpoint at step {step} was taken mid-epoch by {progress.world_size} worker(s), and this run "
+        f"has {world_size}: resume it with num_workers={progress.world_size}, or from a checkpoint at an "
+        "epoch's end"
+    )
 
 
 def export(replica: Replica, tokenizer, spec: WorkerSpec, result: Result) -> None:

@@ -56,5 +56,6 @@ class Progress(BaseModel):
 
     epoch: int = 0  # epochs completed
     batches_done: int = 0  # micro-batches of the next epoch already trained
+    world_size: int | None = None  # the workers that trained it (None: saved before ftflow recorded it)
     history: list[EpochRecord] = []
     curve: Curve = Curve()
