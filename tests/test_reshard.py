@@ -12,7 +12,7 @@ import torch.multiprocessing
 
 from ftflow.temporary_api import free_port
 from tasks.core.train_config import TrainConfig
-from tasks.train.checkpoints import data_position_lost, restore
+from tasks.train.checkpoints import restore, resume_refused
 from tasks.train.deepspeed_json import deepspeed_config
 from tasks.train.engine import param_groups
 from tasks.train.reshard import TAG
@@ -144,14 +144,20 @@ def test_a_checkpoint_of_2_workers_resumes_at_1_and_at_4_with_its_optimizer_mome
             assert resumed["steps"] == saved["steps"] == {3}, f"{name} at {size} worker(s)"
 
 
-def test_a_checkpoint_taken_mid_epoch_goes_on_only_at_the_world_size_that_took_it():
-    """Its data position is how far each worker read into its own part of the epoch; an epoch's end, or
-    a checkpoint from before ftflow recorded its world size, goes on anywhere."""
-    mid_epoch = Progress(epoch=1, batches_done=7, world_size=2)
-    assert data_position_lost(mid_epoch, 2, 135) is None
-    assert data_position_lost(mid_epoch, 4, 135) == (
-        "the checkpoint at step 135 was taken mid-epoch by 2 worker(s), and this run has 4: resume it with "
+def test_a_checkpoint_goes_on_at_another_world_size_only_from_an_epochs_end_and_unsplit():
+    """A mid-epoch checkpoint's data position is how far each worker read into its own part of the
+    epoch; a tensor-parallel run's is not re-partitioned. An epoch's end goes on anywhere, and so does a
+    checkpoint from before ftflow recorded its world size."""
+    mid_epoch, plain = Progress(epoch=1, batches_done=7, world_size=2), TrainConfig()
+    assert resume_refused(mid_epoch, 2, 135, plain) is None
+    assert resume_refused(mid_epoch, 4, 135, plain) == (
+        "the checkpoint at step 135 was taken by 2 worker(s), and this run has 4, mid-epoch: resume it with "
         "num_workers=2, or from a checkpoint at an epoch's end"
     )
-    assert data_position_lost(mid_epoch.model_copy(update={"batches_done": 0}), 4, 128) is None
-    assert data_position_lost(mid_epoch.model_copy(update={"world_size": None}), 4, 135) is None
+    epoch_end = mid_epoch.model_copy(update={"batches_done": 0})
+    assert resume_refused(epoch_end, 4, 128, plain) is None
+    assert resume_refused(epoch_end, 4, 128, TrainConfig(tensor_parallel_size=2)) == (
+        "the checkpoint at step 128 was taken by 2 worker(s), and this run has 4: a tensor_parallel_size=2 run "
+        "resumes with num_workers=2"
+    )
+    assert resume_refused(mid_epoch.model_copy(update={"world_size": None}), 4, 135, plain) is None

@@ -59,7 +59,7 @@ def restore(engine, folder: str) -> dict:
     return engine.load_checkpoint(folder, tag=TAG, load_module_strict=strict)[1]
 
 
-def resume(engine, channel: str | None) -> Progress:
+def resume(engine, channel: str | None, cfg: TrainConfig) -> Progress:
     """Load the latest checkpoint Ray Train holds for this run (after a worker failure, a task
     retry or a re-run with the same run id) and return its progress, or the start of training."""
     checkpoint = ray.train.get_checkpoint()
@@ -68,7 +68,7 @@ def resume(engine, channel: str | None) -> Progress:
     with checkpoint.as_directory() as folder:
         client_state = restore(engine, folder)
     progress = Progress.model_validate(client_state["progress"])
-    if error := data_position_lost(progress, dist.get_world_size(), engine.global_steps):
+    if error := resume_refused(progress, dist.get_world_size(), engine.global_steps, cfg):
         raise ValueError(error)
     if dist.get_rank() == 0 and channel is not None:
         say(
@@ -80,17 +80,19 @@ def resume(engine, channel: str | None) -> Progress:
     return progress
 
 
-def data_position_lost(progress: Progress, world_size: int, step: int) -> str | None:
-    """Why a checkpoint cannot go on at this world size, if it cannot: one taken mid-epoch holds how far
+def resume_refused(progress: Progress, world_size: int, step: int, cfg: TrainConfig) -> str | None:
+    """Why a checkpoint cannot go on at this world size, if it cannot. One taken mid-epoch holds how far
     each of its workers read into its own part of the epoch, and another number of workers splits the
-    epoch into other parts, so rows would be trained twice or never. At an epoch's end it goes on."""
-    if progress.world_size in (None, world_size) or progress.batches_done == 0:
+    epoch into other parts, so rows would be trained twice or never; at an epoch's end it goes on. A
+    tensor- or pipeline-parallel one is not re-partitioned (tasks/train/reshard.py)."""
+    if progress.world_size in (None, world_size):
         return None
-    return (
-        f"the checkpoint at step {step} was taken mid-epoch by {progress.world_size} worker(s), and this run "
-        f"has {world_size}: resume it with num_workers={progress.world_size}, or from a checkpoint at an "
-        "epoch's end"
-    )
+    taken = f"the checkpoint at step {step} was taken by {progress.world_size} worker(s), and this run has {world_size}"
+    if cfg.model_parallel > 1:
+        return f"{taken}: a {cfg.split_field}={cfg.model_parallel} run resumes with num_workers={progress.world_size}"
+    if progress.batches_done:
+        return f"{taken}, mid-epoch: resume it with num_workers={progress.world_size}, or from a checkpoint at an epoch's end"
+    return None
 
 
 def export(replica: Replica, tokenizer, spec: WorkerSpec, result: Result) -> None:
