@@ -14,7 +14,7 @@ from ftflow.temporary_api import free_port
 from tasks.core.train_config import TrainConfig
 from tasks.train.checkpoints import restore, resume_refused
 from tasks.train.deepspeed_json import deepspeed_config
-from tasks.train.engine import param_groups
+from tasks.train.engine import join_process_group, param_groups
 from tasks.train.reshard import TAG
 from tasks.train.spec import Plan, Progress
 
@@ -75,17 +75,13 @@ def full_state(engine) -> dict[str, torch.Tensor]:
         # step, before the second group has any state: its slices stay empty. Linked again, now.
         engine.optimizer._hp_optimizer_states_linked = False
         engine.optimizer._lazy_init_hp_params_optimizer_state()
+    whole = engine.zero_optimization_stage() == 0  # ZeRO-0 holds them as they are: copies, which the next step leaves
     state = {}
     for name, param in engine.module.named_parameters():
-        if engine.zero_optimization_stage() == 0:
-            kept = engine.optimizer.state[param]  # copies: the next step updates them in place
-            state[f"{name}.fp32"] = param.detach().clone()
-            for key in ("exp_avg", "exp_avg_sq"):
-                state[f"{name}.{key}"] = kept[key].clone()
-        else:
-            state[f"{name}.fp32"] = safe_get_full_fp32_param(param)
-            for key in ("exp_avg", "exp_avg_sq"):
-                state[f"{name}.{key}"] = safe_get_full_optimizer_state(param, key)
+        state[f"{name}.fp32"] = param.detach().clone() if whole else safe_get_full_fp32_param(param)
+        for key in ("exp_avg", "exp_avg_sq"):
+            kept = engine.optimizer.state[param][key].clone() if whole else safe_get_full_optimizer_state(param, key)
+            state[f"{name}.{key}"] = kept
     for i, group in enumerate(base_optimizer(engine).param_groups):
         state[f"group{i}"] = torch.tensor([group["lr"], group["weight_decay"], *group["betas"]], dtype=torch.float64)
     return state
@@ -103,10 +99,7 @@ def world(rank: int, size: int, port: int, model_dir: Path, root: Path, save: bo
     os.environ |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(size)}
     os.environ |= {"RANK": str(rank), "LOCAL_RANK": str(rank)}  # one machine
     torch.set_num_threads(1)
-    import deepspeed
-
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # as tasks/train/engine.py: no op build
-    deepspeed.init_distributed(dist_backend="gloo")
+    join_process_group(torch.device("cpu"), timeout_s=600)
     for name, strategy in STRATEGIES.items():
         engine = engine_at(strategy, model_dir, size)
         if save:
