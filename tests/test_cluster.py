@@ -24,7 +24,7 @@ from ray.job_submission import JobStatus, JobSubmissionClient, JobType
 from test_flow import check_run, params
 
 from infra.local.stack import HEAD_ENV, ray_head_command
-from tasks.core import cluster, layout, storage
+from tasks.core import cluster, jobs, layout, storage
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -97,7 +97,10 @@ def running_job(client: JobSubmissionClient, prefix: str, status: JobStatus, ign
             (
                 job.submission_id
                 for job in client.list_jobs()
-                if job.submission_id.startswith(prefix) and job.submission_id not in ignore and job.status == status
+                # (a driver that joined the cluster has no submission id)
+                if (job.submission_id or "").startswith(prefix)
+                and job.submission_id not in ignore
+                and job.status == status
             ),
             None,
         )
@@ -107,103 +110,6 @@ def running_job(client: JobSubmissionClient, prefix: str, status: JobStatus, ign
     raise AssertionError(
         f"no job {prefix}* reached {status}: {[(job.submission_id, job.status) for job in client.list_jobs()]}"
     )
-
-
-def test_finetune_from_outside_the_cluster_as_ray_jobs(tiny_model, s3_data, tmp_path):
-    """A laptop or a Prefect worker outside the cluster gives the head's Job API as ray_address: every
-    stage's Ray work runs there as a Ray Job, its lines followed into the flow run's log, its refusals
-    raised again as the same one line, and stopped with the flow run; the driver never joins Ray. Ray Client (ray://) and local
-    paths are refused before any work, saying what to use."""
-    port, dashboard, token = free_port(), free_port(), secrets.token_hex(32)
-    url = f"http://127.0.0.1:{dashboard}"
-    # The head's environment is the cluster's: its S3 credentials, and the `python` that runs a job.
-    secured = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token, "PATH": f"{BIN}:{os.environ['PATH']}"}
-    head = start_ray_head(port, secured, dashboard=dashboard)
-    driver = {**secured, "RAY_ADDRESS": url, **session_prefect()}  # ftflow's commands, from outside the cluster
-    try:
-        job_api_ready(url, token)
-        with pytest.raises(
-            ValueError, match=r"^storage_root /x is a local path, but the stages run as Ray Jobs on the cluster at "
-        ):
-            cluster.refuse_local_paths({"storage_root": ["/x"]}, False, url)
-        with pytest.raises(
-            ValueError, match=r"^ray_address ray://127.0.0.1:10001: Ray Client cannot run ftflow's stages"
-        ):
-            cluster.connect("ray://127.0.0.1:10001")
-
-        config = tmp_path / "params.json"
-        config.write_text(params(tiny_model, s3_data, f"s3://{BUCKET}/from-outside").model_dump_json())
-        run = subprocess.run(
-            [FTFLOW, "run", "--verbose", "--params", str(config)],
-            cwd=ROOT,
-            env=driver,
-            capture_output=True,
-            text=True,
-            timeout=900,
-        )
-        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-
-        refused = subprocess.run(
-            [
-                sys.executable,
-                "-c",
-                f"{BATCH_INFER}, device='gpu'))",
-                str(tiny_model),
-                s3_data["test"],
-                f"s3://{BUCKET}/never",
-            ],
-            cwd=ROOT,
-            env=driver,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert refused.returncode != 0
-        assert (
-            "ValueError: device=gpu but the Ray cluster has no GPU, and no autoscaler to add one: use device=cpu or auto"
-            in refused.stderr.splitlines()
-        ), refused.stderr[-3000:]
-        client = JobSubmissionClient(url, headers={"Authorization": f"Bearer {token}"})
-        # A flow run stopped mid-training (Prefect cancels one with SIGTERM) stops its job on the cluster.
-        cancelled = subprocess.Popen(
-            [FTFLOW, "run", "--verbose", "--params", str(config)],
-            cwd=ROOT,
-            env=driver,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        training = running_job(
-            client, "ftflow-fit-", JobStatus.RUNNING, ignore={job.submission_id for job in client.list_jobs()}
-        )
-        cancelled.send_signal(signal.SIGTERM)
-        assert cancelled.wait(timeout=60) != 0
-        assert running_job(client, training, JobStatus.STOPPED), "the flow's job was stopped with it"
-        jobs = [job for job in client.list_jobs() if job.submission_id != training]
-    finally:
-        os.killpg(head.pid, signal.SIGTERM)
-        head.wait(timeout=60)
-
-    run_dir = re.search(r"artifacts: +(\S+)", run.stdout)[1]
-    check_run(run_dir, storage.read_json(storage.join(run_dir, "metrics.json"))["accuracy"], s3_data)
-    # Every Ray driver was a job the flow submitted (a driver joining the cluster would be listed too).
-    assert {job.type for job in jobs} == {JobType.SUBMISSION}
-    stages = sorted(job.submission_id.split("-")[1] for job in jobs if job.status == JobStatus.SUCCEEDED)
-    # The plan is checked by both runs (the cancelled one's too, before its training started). Evaluation
-    # and the test split's batch inference read the labels the job `fit` gave the test split: no job of
-    # their own (the refused batch_infer above ran `labelled` as a job, which failed as it should).
-    assert stages == ["check_plan", "check_plan", "fit", "tokenized_shards"], [
-        (j.submission_id, j.status, j.message) for j in jobs
-    ]
-    log = run.stderr  # the flow run's log, as Prefect prints it
-    for stage in stages:
-        assert re.search(rf"{stage} runs as Ray job ftflow-{stage}-\w+ on {url}", log)
-    # The stages' own lines, from the jobs' logs, in the flow run's log as they came.
-    assert re.search(r"Task run 'train-\w+' - training on 1 CPU worker", log), log[-3000:]
-    assert re.search(r"Task run 'tokenize-\w+' - tokenized \{'train': 2048", log)
-    assert re.search(r"Task run 'train-\w+' - train: 10 / \d+ steps, epoch ", log), (
-        "the training's ticks came back on the job's log"
-    )
-    assert "WebSocket closed" not in log
 
 
 def api(url: str, auth: str | None = None, body: dict | None = None) -> tuple[int, object]:
@@ -326,15 +232,97 @@ def alive_nodes(env: dict[str, str]) -> int:
     return int(re.search(r"^alive: (\d+)$", count.stdout, re.M)[1])
 
 
-def test_finetune_on_a_token_secured_cluster_that_grows_and_shrinks(tiny_model, s3_data, tmp_path):
-    """An autoscaling cluster at rest, a head alone that takes no work, that requires a token: a driver
-    without it is refused, saying so; the finetune flow, given it, asks for two training workers of 2
-    CPUs and two inference actors; the autoscaler adds 3-CPU nodes (separate raylets), training workers
-    land on different nodes, every artifact in S3 is complete and free of the token, and the nodes go
-    once idle. A local storage root is refused up front; a request no node type can satisfy (a GPU)
-    fails within the configured wait, saying so, in training and in batch inference."""
-    port, token = free_port(), secrets.token_hex(32)
-    secured = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}
+def refused_before_any_work(port: int, url: str, joined: dict[str, str], finetune, tmp_path: Path) -> None:
+    """A driver without the token, Ray Client, and a local storage root (joined, and as jobs): each
+    refused in one line, saying what to use, before any work."""
+    stranger = subprocess.run(
+        [sys.executable, "-c", f"from tasks.core import cluster; cluster.connect('127.0.0.1:{port}')"],
+        cwd=ROOT,
+        env=without_secrets(os.environ, tmp_path / "home"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert stranger.returncode != 0
+    assert f"the Ray cluster at 127.0.0.1:{port} refused this driver's token" in stranger.stderr.splitlines()[-1]
+    with pytest.raises(ValueError, match=r"^ray_address ray://127.0.0.1:10001: Ray Client cannot run ftflow's stages"):
+        cluster.connect("ray://127.0.0.1:10001")
+    with pytest.raises(
+        ValueError, match=r"^storage_root /x is a local path, but the stages run as Ray Jobs on the cluster at "
+    ):
+        cluster.refuse_local_paths({"storage_root": ["/x"]}, False, url)
+    time.sleep(3)  # the autoscaler's first report, by which a driver knows it is there
+    refused = finetune(str(tmp_path / "local-store"), joined)
+    assert refused.returncode != 0 and not (tmp_path / "local-store").exists()
+    assert (
+        f"storage_root {tmp_path / 'local-store'} is a local path, but the Ray cluster has 1 node(s) and an "
+        "autoscaler that adds more, which do not all share this machine's disk"
+    ) in refused.stderr, refused.stderr[-3000:]
+
+
+def stopped_with_its_flow_run(client: JobSubmissionClient, config: Path, env: dict[str, str]) -> str:
+    """A flow run stopped mid-training (Prefect cancels one with SIGTERM) stops its job on the cluster."""
+    cancelled = subprocess.Popen(
+        [FTFLOW, "run", "--verbose", "--params", str(config)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    training = running_job(
+        client, "ftflow-fit-", JobStatus.RUNNING, ignore={job.submission_id for job in client.list_jobs()}
+    )
+    cancelled.send_signal(signal.SIGTERM)
+    assert cancelled.wait(timeout=60) != 0
+    assert running_job(client, training, JobStatus.STOPPED), "the flow's job was stopped with it"
+    return training
+
+
+def gpu_requests_fail_within_their_wait(finetune, joined: dict, outside: dict, model: Path, test_uri: str) -> None:
+    """Requests no node type can satisfy (a GPU), in training (a driver that joined) and in batch
+    inference (as a job, its refusal raised again as the same line): each fails once its wait runs out,
+    saying what did not come, and is not tried again."""
+    never = finetune(f"s3://{BUCKET}/never", joined, device="gpu", wait_for_workers_s=5)
+    assert never.returncode != 0
+    assert (
+        "the Ray cluster did not make room for 2 training worker(s) of 2 CPU and 1 GPU each within wait_for_workers_s=5"
+    ) in never.stderr, never.stderr[-3000:]
+    no_actors = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            f"{BATCH_INFER}, device='gpu', wait_for_actors_s=5))",
+            str(model),
+            test_uri,
+            f"s3://{BUCKET}/labels",
+        ],
+        cwd=ROOT,
+        env=outside,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert no_actors.returncode != 0 and not storage.exists(f"s3://{BUCKET}/labels/{layout.MARKER}")
+    assert (
+        "the Ray cluster did not start 1 inference actor(s) of 1 CPU and 1 GPU each within wait_for_actors_s=5"
+        in no_actors.stderr
+    ), no_actors.stderr[-3000:]
+    assert " - Retry 1/" not in no_actors.stderr, "a wait that ran out is not tried again"  # 4 tries took 70 s
+
+
+def test_finetune_as_ray_jobs_on_a_token_secured_cluster_that_grows_and_shrinks(tiny_model, s3_data, tmp_path):
+    """An autoscaling cluster at rest, a head alone that takes no work, that requires a token, driven
+    from outside through its Job API as a laptop or a Prefect worker would: every stage's Ray work runs
+    there as a Ray Job, its lines followed into the flow run's log, its refusals raised again as the
+    same one line, and stopped with the flow run; the driver never joins Ray. The flow asks for two
+    training workers of 2 CPUs and two inference actors; the autoscaler adds 3-CPU nodes (separate
+    raylets), training workers land on different nodes, every artifact in S3 is complete and free of
+    the token, and the nodes go once idle. Refused before any work: a driver without the token, Ray
+    Client, a local storage root; a request no node type can satisfy (a GPU) fails within its wait."""
+    port, dashboard, token = free_port(), free_port(), secrets.token_hex(32)
+    url = f"http://127.0.0.1:{dashboard}"
+    # The head's environment is the cluster's: its S3 credentials, and the `python` that runs a job.
+    secured = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token, "PATH": f"{BIN}:{os.environ['PATH']}"}
     head = start_ray_head(
         port,
         {**secured, "RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1"},
@@ -342,11 +330,13 @@ def test_finetune_on_a_token_secured_cluster_that_grows_and_shrinks(tiny_model, 
         "0",
         "--autoscaling-config",
         str(autoscaling_config(port, tmp_path / "cluster.json")),
+        dashboard=dashboard,
     )
-    driver = {**secured, "RAY_ADDRESS": f"127.0.0.1:{port}", **session_prefect()}
+    joined = {**secured, "RAY_ADDRESS": f"127.0.0.1:{port}", **session_prefect()}  # a driver on the cluster's network
+    outside = {**secured, "RAY_ADDRESS": url, **session_prefect()}  # ftflow's commands, from outside the cluster
+    config = tmp_path / "params.json"
 
-    def finetune(root: str, **train: object) -> subprocess.CompletedProcess:
-        config = tmp_path / "params.json"
+    def finetune(root: str, env: dict[str, str], **train: object) -> subprocess.CompletedProcess:
         run_params = params(tiny_model, s3_data, root)
         run_params.train = run_params.train.model_copy(update={"num_workers": 2, "cpus_per_worker": 2, **train})
         run_params.inference.actors = 2
@@ -354,64 +344,25 @@ def test_finetune_on_a_token_secured_cluster_that_grows_and_shrinks(tiny_model, 
         return subprocess.run(
             [FTFLOW, "run", "--verbose", "--params", str(config)],
             cwd=ROOT,
-            env=driver,
+            env=env,
             capture_output=True,
             text=True,
             timeout=900,
         )
 
     try:
-        stranger = subprocess.run(
-            [sys.executable, "-c", f"from tasks.core import cluster; cluster.connect('127.0.0.1:{port}')"],
-            cwd=ROOT,
-            env=without_secrets(os.environ, tmp_path / "home"),
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert stranger.returncode != 0
-        assert f"the Ray cluster at 127.0.0.1:{port} refused this driver's token" in stranger.stderr.splitlines()[-1]
-        time.sleep(3)  # the autoscaler's first report, by which a driver knows it is there
-        refused = finetune(str(tmp_path / "local-store"))
-        assert refused.returncode != 0 and not (tmp_path / "local-store").exists()
-        assert (
-            f"storage_root {tmp_path / 'local-store'} is a local path, but the Ray cluster has 1 node(s) and an "
-            "autoscaler that adds more, which do not all share this machine's disk"
-        ) in refused.stderr, refused.stderr[-3000:]
-
-        run = finetune(f"s3://{BUCKET}/grows")
+        job_api_ready(url, token)
+        refused_before_any_work(port, url, joined, finetune, tmp_path)
+        client = JobSubmissionClient(url, headers={"Authorization": f"Bearer {token}"})
+        drivers = {job.job_id for job in client.list_jobs()}  # the refused driver joined the cluster
+        run = finetune(f"s3://{BUCKET}/grows", outside)
         assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-        # While the added nodes idle out (they go ~20 s after their last work): requests that no node
-        # type can satisfy, refused.
-        never = finetune(f"s3://{BUCKET}/never", device="gpu", wait_for_workers_s=5)
-        assert never.returncode != 0
-        assert (
-            "the Ray cluster did not make room for 2 training worker(s) of 2 CPU and 1 GPU each within "
-            "wait_for_workers_s=5"
-        ) in never.stderr, never.stderr[-3000:]
-        no_actors = subprocess.run(
-            [
-                sys.executable,
-                "-c",
-                f"{BATCH_INFER}, device='gpu', wait_for_actors_s=5))",
-                str(tiny_model),
-                s3_data["test"],
-                str(tmp_path / "labels"),
-            ],
-            cwd=ROOT,
-            env=driver,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert no_actors.returncode != 0 and not (tmp_path / "labels" / layout.MARKER).exists()
-        assert (
-            "the Ray cluster did not start 1 inference actor(s) of 1 CPU and 1 GPU each within wait_for_actors_s=5"
-            in no_actors.stderr
-        ), no_actors.stderr[-3000:]
-        assert " - Retry 1/" not in no_actors.stderr, "a wait that ran out is not tried again"  # 4 tries took 70 s
+        training = stopped_with_its_flow_run(client, config, outside)
+        jobs = [job for job in client.list_jobs() if job.job_id not in drivers and job.submission_id != training]
+        # While the added nodes idle out (they go ~20 s after their last work):
+        gpu_requests_fail_within_their_wait(finetune, joined, outside, tiny_model, s3_data["test"])
         for _ in range(24):
-            if (alive := alive_nodes(driver)) == 1:
+            if (alive := alive_nodes(joined)) == 1:
                 break
             time.sleep(5)
         assert alive == 1, "the added nodes went once idle"
@@ -429,6 +380,28 @@ def test_finetune_on_a_token_secured_cluster_that_grows_and_shrinks(tiny_model, 
     assert token not in run.stdout + run.stderr and all(
         token.encode() not in fs.cat_file(key) for key in fs.find(stored)
     )
+    check_jobs(jobs, run.stderr, url)
+
+
+def check_jobs(jobs: list, log: str, url: str) -> None:
+    """Every Ray driver of the two runs was a job the flow submitted, and their lines reached the log."""
+    assert {job.type for job in jobs} == {JobType.SUBMISSION}  # a driver joining the cluster is listed too
+    stages = sorted(job.submission_id.split("-")[1] for job in jobs if job.status == JobStatus.SUCCEEDED)
+    # The plan is checked by both runs (the cancelled one's too, before its training started). Evaluation
+    # and the test split's batch inference read the labels the job `fit` gave the test split: no job of
+    # their own.
+    assert stages == ["check_plan", "check_plan", "fit", "tokenized_shards"], [
+        (j.submission_id, j.status, j.message) for j in jobs
+    ]
+    for stage in stages:
+        assert re.search(rf"{stage} runs as Ray job ftflow-{stage}-\w+ on {url}", log)
+    # The stages' own lines, from the jobs' logs, in the flow run's log (as Prefect prints it) as they came.
+    assert re.search(r"Task run 'train-\w+' - training on 2 CPU worker", log), log[-3000:]
+    assert re.search(r"Task run 'tokenize-\w+' - tokenized \{'train': 2048", log)
+    assert re.search(r"Task run 'train-\w+' - train: 10 / \d+ steps, epoch ", log), (
+        "the training's ticks came back on the job's log"
+    )
+    assert "WebSocket closed" not in log
 
 
 def test_a_fit_on_the_local_ray_starts_no_placement_group_cleaner(ray_cluster, tmp_path):
@@ -448,3 +421,12 @@ def test_a_fit_on_the_local_ray_starts_no_placement_group_cleaner(ray_cluster, t
         lambda: None, scaling_config=ScalingConfig(num_workers=1), run_config=RunConfig(storage_path=str(tmp_path))
     ).fit()
     assert cleaners() == before
+
+
+def test_a_jobs_result_behind_a_progress_bar_on_its_line_is_read():
+    """Ray Data's progress bars share the job driver's stdout and end without a newline: the result
+    line came after one (seen on the 3-node cluster above, whose run then failed for want of it)."""
+    bar = " " * 40 + "\x1b[A" * 5
+    assert jobs.ours(bar + jobs.RESULT + '{"rows": 3}') == jobs.RESULT + '{"rows": 3}'
+    assert jobs.ours(bar + "ftflow WARNING the plan changed") == "ftflow WARNING the plan changed"
+    assert jobs.ours("\x1b[2m(pid=3332)\x1b[0m - split(2, equal=True): 100%") is None

@@ -21,6 +21,7 @@ import builtins
 import importlib
 import json
 import logging
+import re
 import shlex
 import sys
 import threading
@@ -40,6 +41,11 @@ from tasks.core.progress import TICK, Tick
 log = logging.getLogger("ftflow")
 JOB_LINE = "ftflow {level} {message}"
 RESULT, ERROR, TICK_LINE = "ftflow-result: ", "ftflow-error: ", "ftflow-tick: "
+OURS = re.compile(
+    "|".join(
+        map(re.escape, (RESULT, ERROR, TICK_LINE, *(f"ftflow {level} " for level in logging.getLevelNamesMapping())))
+    )
+)
 Stage = TypeVar("Stage")
 # Stages run in this process take turns. Flows side by side in one process (threads) share one Ray
 # driver, and on a small cluster one run's inference actors and another's training workers each got
@@ -134,6 +140,14 @@ def submitted(stage: Callable[..., Stage], address: str, logger, arguments: dict
     )
 
 
+def ours(line: str) -> str | None:
+    """The ftflow line in a line of the job's log, or None. A progress bar of Ray Data's, drawn on
+    the same stdout without a newline (cursor moves, spaces), can sit in front of it: seen on a
+    3-node cluster, where the result line came after one and the run failed for want of it."""
+    found = OURS.search(line)
+    return line[found.start() :] if found else None
+
+
 async def followed(client, job: str, logger) -> str:
     """Forward the job's ftflow lines at their level (Ray's own at debug) until it ends; return its
     last ftflow-result/ftflow-error line, or ''."""
@@ -141,17 +155,20 @@ async def followed(client, job: str, logger) -> str:
     async for chunk in client.tail_job_logs(job):
         *lines, pending = (pending + chunk).split("\n")
         for line in lines:
-            if line.startswith((RESULT, ERROR)):
-                ending = line
-            elif line.startswith(TICK_LINE):
-                tick = Tick.model_validate_json(line.removeprefix(TICK_LINE))
+            mine = ours(line)
+            if mine is None:
+                if line.strip():
+                    logger.debug(line)
+            elif mine.startswith((RESULT, ERROR)):
+                ending = mine
+            elif mine.startswith(TICK_LINE):
+                tick = Tick.model_validate_json(mine.removeprefix(TICK_LINE))
                 logger.info(tick.line(), extra={TICK: tick})
-            elif line.startswith("ftflow ") and line.split(" ", 2)[1] in logging.getLevelNamesMapping():
-                _, level, message = line.split(" ", 2)
+            else:
+                _, level, message = mine.split(" ", 2)
                 logger.log(logging.getLevelName(level), message)
-            elif line.strip():
-                logger.debug(line)
-    return pending if pending.startswith((RESULT, ERROR)) else ending
+    last = ours(pending)
+    return last if last and last.startswith((RESULT, ERROR)) else ending
 
 
 class JobLines(logging.Formatter):
@@ -178,10 +195,16 @@ def main(target: str, wire: str) -> int:
         result = stage(**arguments)
     except Exception as error:  # noqa: BLE001 -- every failure becomes the one line the caller raises again
         traceback.print_exc()  # the whole story stays in the job's log (`ray job logs`)
-        print(ERROR + json.dumps({"type": type(error).__name__, "message": str(error)}), flush=True)
-        return 1
-    print(RESULT + TypeAdapter(hints["return"]).dump_json(result).decode(), flush=True)
-    return 0
+        return said(ERROR + json.dumps({"type": type(error).__name__, "message": str(error)}), 1)
+    return said(RESULT + TypeAdapter(hints["return"]).dump_json(result).decode(), 0)
+
+
+def said(line: str, code: int) -> int:
+    """The job's last line, written whole (print writes its newline apart, where another thread's
+    output could land between them)."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+    return code
 
 
 if __name__ == "__main__":
