@@ -12,10 +12,11 @@ import torch.multiprocessing
 
 from ftflow.temporary_api import free_port
 from tasks.core.train_config import TrainConfig
-from tasks.train.checkpoints import restore, resume_refused
+from tasks.train.checkpoints import restore
 from tasks.train.deepspeed_json import deepspeed_config
 from tasks.train.engine import join_process_group, param_groups
 from tasks.train.reshard import TAG
+from tasks.train.resumable import resume_refused
 from tasks.train.spec import Plan, Progress
 
 # ZeRO-1 and ZeRO-2 share one optimizer class (its universal load: stage_1_and_2.py). ZeRO-3 runs with
@@ -141,16 +142,16 @@ def test_a_checkpoint_goes_on_at_another_world_size_only_from_an_epochs_end_and_
     """A mid-epoch checkpoint's data position is how far each worker read into its own part of the
     epoch; a tensor-parallel run's is not re-partitioned. An epoch's end goes on anywhere, and so does a
     checkpoint from before ftflow recorded its world size."""
-    mid_epoch, plain = Progress(epoch=1, batches_done=7, world_size=2), TrainConfig()
-    assert resume_refused(mid_epoch, 2, 135, plain) is None
-    assert resume_refused(mid_epoch, 4, 135, plain) == (
+    mid_epoch, plain = Progress(step=135, epoch=1, batches_done=7, world_size=2), TrainConfig()
+    assert resume_refused(mid_epoch, 2, plain) is None
+    assert resume_refused(mid_epoch, 4, plain) == (
         "the checkpoint at step 135 was taken by 2 worker(s), and this run has 4, mid-epoch: resume it with "
         "num_workers=2, or from a checkpoint at an epoch's end"
     )
-    epoch_end = mid_epoch.model_copy(update={"batches_done": 0})
-    assert resume_refused(epoch_end, 4, 128, plain) is None
-    assert resume_refused(epoch_end, 4, 128, TrainConfig(tensor_parallel_size=2)) == (
+    epoch_end = mid_epoch.model_copy(update={"step": 128, "batches_done": 0})
+    assert resume_refused(epoch_end, 4, plain) is None
+    assert resume_refused(epoch_end, 4, TrainConfig(tensor_parallel_size=2)) == (
         "the checkpoint at step 128 was taken by 2 worker(s), and this run has 4: a tensor_parallel_size=2 run "
         "resumes with num_workers=2"
     )
-    assert resume_refused(mid_epoch.model_copy(update={"world_size": None}), 4, 135, plain) is None
+    assert resume_refused(mid_epoch.model_copy(update={"world_size": None}), 4, plain) is None

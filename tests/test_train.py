@@ -356,6 +356,11 @@ def test_max_steps_bounds_a_run_and_a_rerun_continues_it(tokenized, tiny_model, 
     assert [(row.epoch, row.step) for row in first.history] == [(round(50 / 128, 4), 50)]
     assert_model_is_the_trained_engine(run_dir / "model", uris, first.kept.validation.accuracy)
 
+    # On another number of workers its mid-epoch position means nothing: refused, before any worker starts.
+    with pytest.raises(
+        ValueError, match=r"^the checkpoint at step 50 was taken by 2 worker\(s\), and this run has 1, "
+    ):
+        fit(uris, tiny_model, TrainConfig(epochs=2, batch_size=16, num_workers=1), run_dir)
     longer = fit(uris, tiny_model, TrainConfig(epochs=2, batch_size=16, num_workers=2), run_dir)
     assert longer.history[0] == first.history[0], "the first 50 steps were trained again"
     assert [(row.epoch, row.step, row.resumed_from_step) for row in longer.history[1:]] == [(1, 128, 50), (2, 256, 50)]

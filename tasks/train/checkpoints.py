@@ -25,20 +25,18 @@ from tasks.train.engine import loaded, precision_of
 from tasks.train.lora import merged
 from tasks.train.replica import Replica
 from tasks.train.reshard import TAG, load_resharded, needs_resharding
+from tasks.train.resumable import PROGRESS_FILE
 from tasks.train.spec import Progress, WorkerSpec
 
 
 def save(engine, progress: Progress, metrics: dict) -> None:
     """Report a checkpoint from every rank: each writes its own ZeRO shards of the DeepSpeed engine
-    state and Ray gathers them into one checkpoint; the progress travels inside it."""
-    progress = progress.model_copy(update={"world_size": dist.get_world_size()})
+    state and Ray gathers them into one checkpoint; rank 0 adds the progress."""
+    progress = progress.model_copy(update={"step": engine.global_steps, "world_size": dist.get_world_size()})
     with tempfile.TemporaryDirectory() as folder:
-        engine.save_checkpoint(
-            folder,
-            tag=TAG,
-            client_state={"progress": progress.model_dump()},
-            exclude_frozen_parameters=partly_frozen(engine),
-        )
+        engine.save_checkpoint(folder, tag=TAG, exclude_frozen_parameters=partly_frozen(engine))
+        if dist.get_rank() == 0:
+            Path(folder, PROGRESS_FILE).write_text(progress.model_dump_json())
         ray.train.report(metrics, checkpoint=Checkpoint.from_directory(folder))
 
 
@@ -59,17 +57,19 @@ def restore(engine, folder: str) -> dict:
     return engine.load_checkpoint(folder, tag=TAG, load_module_strict=strict)[1]
 
 
-def resume(engine, channel: str | None, cfg: TrainConfig) -> Progress:
+def resume(engine, channel: str | None) -> Progress:
     """Load the latest checkpoint Ray Train holds for this run (after a worker failure, a task
-    retry or a re-run with the same run id) and return its progress, or the start of training."""
+    retry or a re-run with the same run id) and return its progress, or the start of training. One
+    that cannot go on at this world size was refused by the driver (tasks/train/resumable.py)."""
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is None:
         return Progress()
     with checkpoint.as_directory() as folder:
+        saved = Path(folder, PROGRESS_FILE)
+        progress = Progress.model_validate_json(saved.read_text()) if saved.exists() else None
         client_state = restore(engine, folder)
-    progress = Progress.model_validate(client_state["progress"])
-    if error := resume_refused(progress, dist.get_world_size(), engine.global_steps, cfg):
-        raise ValueError(error)
+    # Checkpoints saved before ftflow wrote PROGRESS_FILE kept it in DeepSpeed's client state.
+    progress = progress or Progress.model_validate(client_state["progress"])
     if dist.get_rank() == 0 and channel is not None:
         say(
             channel,
@@ -78,21 +78,6 @@ def resume(engine, channel: str | None, cfg: TrainConfig) -> Progress:
             f"micro-batch {progress.batches_done}",
         )
     return progress
-
-
-def resume_refused(progress: Progress, world_size: int, step: int, cfg: TrainConfig) -> str | None:
-    """Why a checkpoint cannot go on at this world size, if it cannot. One taken mid-epoch holds how far
-    each of its workers read into its own part of the epoch, and another number of workers splits the
-    epoch into other parts, so rows would be trained twice or never; at an epoch's end it goes on. A
-    tensor- or pipeline-parallel one is not re-partitioned (tasks/train/reshard.py)."""
-    if progress.world_size in (None, world_size):
-        return None
-    taken = f"the checkpoint at step {step} was taken by {progress.world_size} worker(s), and this run has {world_size}"
-    if cfg.model_parallel > 1:
-        return f"{taken}: a {cfg.split_field}={cfg.model_parallel} run resumes with num_workers={progress.world_size}"
-    if progress.batches_done:
-        return f"{taken}, mid-epoch: resume it with num_workers={progress.world_size}, or from a checkpoint at an epoch's end"
-    return None
 
 
 def export(replica: Replica, tokenizer, spec: WorkerSpec, result: Result) -> None:

@@ -39,6 +39,7 @@ from tasks.train.deepspeed_json import deepspeed_config
 from tasks.train.entry import train_worker
 from tasks.train.ingest import data_config, split
 from tasks.train.plan import cpu_has_native_bf16, planned
+from tasks.train.resumable import latest_progress, resume_refused
 from tasks.train.spec import Plan, WorkerSpec
 from tasks.train.trainer import RUN_NAME, Trainer, stop_controller, worker_exception
 from tasks.train.watch import FailureRelay, Watchdog
@@ -62,6 +63,10 @@ def fit(job: TrainingJob) -> Result:
 def trained(logger: logging.Logger, job: TrainingJob, callbacks: tuple[UserCallback, ...] = ()) -> Result:
     """One training run, for the train stage or a sweep's trial (whose callback reports to Ray Tune)."""
     cfg, choice, the_plan = planned(job.model, job.targets, job.train)  # refused before any worker starts
+    if (progress := latest_progress(job.store.train_dir)) and (
+        refused := resume_refused(progress, the_plan.workers, cfg)
+    ):
+        raise ValueError(refused)
     if choice:
         logger.info("strategy=auto: %s", choice.reason)
     train_rows, train_count = split(job.shards.train, the_plan.workers)

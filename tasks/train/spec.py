@@ -54,6 +54,7 @@ class Progress(BaseModel):
     """Where training stands, saved in every checkpoint and read back on resume: a resumed run has
     every epoch and every curve point once."""
 
+    step: int = 0  # optimizer steps taken
     epoch: int = 0  # epochs completed
     batches_done: int = 0  # micro-batches of the next epoch already trained
     world_size: int | None = None  # the workers that trained it (None: saved before ftflow recorded it)

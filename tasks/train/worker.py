@@ -151,7 +151,7 @@ class Recipe:
         if self.leader:
             say(channel, logging.INFO, engine_line(self.engine, self.device, time.perf_counter() - self.started))
         pulse("resuming")
-        self.progress, self.policy = resume(self.engine, channel, spec.train), CheckpointPolicy(spec.train)
+        self.progress, self.policy = resume(self.engine, channel), CheckpointPolicy(spec.train)
         self.start_epoch, self.resumed_from = self.progress.epoch, self.engine.global_steps
         self.pad_id, self.meter, self.pin = (
             self.tokenizer.pad_token_id,
