@@ -7,7 +7,7 @@ re-partitions them: the converter (deepspeed/checkpoint/ds_to_universal.py) writ
 whole fp32 weight, exp_avg and exp_avg_sq, and the engine loads its own partition of each, by copies
 alone, so the moments come back bit for bit. ZeRO-0's checkpoint is every rank's whole optimizer and
 loads at any size as it is. Pipeline and tensor-parallel groups are not resized: resuming one at another
-world size is refused before its checkpoint is loaded (tasks/train/checkpoints.py resume_refused).
+world size is refused by the driver before any worker starts (tasks/train/resumable.py).
 """
 
 from __future__ import annotations
