@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import fault_injected
+from conftest import fault_injected, session_prefect
 from mlflow import MlflowClient
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
@@ -41,7 +41,7 @@ def sweep_params(tiny_model, data: dict, root: str, run_id: str) -> SweepParams:
             ).model_dump(),
             "sweep": SweepConfig(
                 space={"train.learning_rate": {"choice": LEARNING_RATES}},
-                trials=4,
+                trials=3,
                 metric="val_loss",
                 grace_period=1,
                 seed=3,
@@ -64,6 +64,7 @@ def killed_in_its_first_trial(searched: SweepParams, tmp_path: Path) -> None:
         ["sweep", "--params", str(tmp_path / "sweep.yaml")],
         lambda: checkpoint_committed(run_dir, "trials/*") and any(run_dir.glob("tune/experiment_state-*.json")),
         step=6,
+        **session_prefect(),  # the temporary server's start (~13 s) is test_cli's to check
     )
 
 
@@ -81,7 +82,7 @@ def test_a_sweep_stops_the_trailing_trials_carries_the_best_on_and_continues_by_
     manifest = storage.read_json(storage.join(summary.run_dir, "manifest.json"))
     swept = manifest["metrics"]["sweep"]
     trials = {trial["trial_id"]: trial for trial in swept["trials"]}
-    assert len(trials) == 4 and {trial["config"]["learning_rate"] for trial in trials.values()} == set(LEARNING_RATES)
+    assert len(trials) == 3 and {trial["config"]["learning_rate"] for trial in trials.values()} == set(LEARNING_RATES)
     assert any(trial["status"] == "stopped early" for trial in trials.values()), trials
     best = trials[swept["best_trial"]]
     finished = [trial for trial in trials.values() if trial["status"] == "finished"]
@@ -110,7 +111,7 @@ def test_a_sweep_stops_the_trailing_trials_carries_the_best_on_and_continues_by_
                 log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[state.state_details.flow_run_id]))
             )
         ]
-    assert any(line.startswith("sweep: 4 / 4 trials") for line in logs), logs
+    assert any(line.startswith("sweep: 3 / 3 trials") for line in logs), logs
     assert all(any(line.startswith(f"trial {trial_id}: ") for line in logs) for trial_id in trials)
     finished_line = f"trial {best['trial_id']}: 3 evaluations, finished, learning_rate 1e-12, val_loss "
     assert any(line.startswith(finished_line) for line in logs), logs
@@ -131,6 +132,6 @@ def test_a_sweep_stops_the_trailing_trials_carries_the_best_on_and_continues_by_
     assert trial_state_times(again.run_dir) == written and len(written) == len(finished)
     assert storage.read_json(storage.join(again.run_dir, "manifest.json"))["metrics"]["sweep"] == swept
     # Another search under the same id: refused, before anything runs.
-    other = searched.model_copy(update={"sweep": searched.sweep.model_copy(update={"trials": 5})})
-    with pytest.raises(ValueError, match=r"^sweep\.trials: 5, but sweep sweep-1 started with 4: "):
+    other = searched.model_copy(update={"sweep": searched.sweep.model_copy(update={"trials": 4})})
+    with pytest.raises(ValueError, match=r"^sweep\.trials: 4, but sweep sweep-1 started with 3: "):
         sweep(other)
