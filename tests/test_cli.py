@@ -17,7 +17,7 @@ import psutil
 import pyarrow.parquet as pq
 import pytest
 import yaml
-from conftest import FTFLOW, fault_injected, free_port, read_jsonl, write_jsonl
+from conftest import FTFLOW, fault_injected, free_port, read_jsonl, session_prefect, write_jsonl
 from rich.console import Console
 from test_flow import params
 from test_train import checkpoint_committed
@@ -319,7 +319,9 @@ def test_a_run_killed_then_run_again_resumes_on_a_quiet_console_then_its_champio
     [killed_log] = logs.iterdir()
     assert "Beginning flow run" in killed_log.read_text()
 
-    run = ftflow(*args, timeout=600, **online)
+    # Again, and then `ftflow infer`, on the session's Prefect server: the killed run's own temporary server
+    # was checked above (~13 s to start each), and its silence on the terminal in the test below.
+    run = ftflow(*args, timeout=600, **online, **session_prefect())
     assert run.returncode == 0 and run.stderr == "", run.stdout + run.stderr
     lines = run.stdout.splitlines()
     for stage in ("tokenize", "train", "evaluate", "promote", "batch inference"):
@@ -349,6 +351,7 @@ def test_a_run_killed_then_run_again_resumes_on_a_quiet_console_then_its_champio
         "1",
         timeout=600,
         **online,
+        **session_prefect(),
     )
     assert labelled.returncode == 0 and labelled.stderr == "", labelled.stdout + labelled.stderr
     assert "✓ batch inference: " in labelled.stdout and f"predictions: {tmp_path / 'labels'}" in labelled.stdout
