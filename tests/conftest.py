@@ -353,9 +353,19 @@ def entity_data(tmp_path_factory) -> dict[str, dict]:
 def fault_injected(step: int, rank: int = 0, hang_s: float = 0.0) -> Iterator[None]:
     """While the block runs, at optimizer step `step` training worker `rank` raises, or with hang_s
     waits that long, once per run (tests/hooks/sitecustomize.py)."""
-    fault = HOOKS_DIR / "fault.json"
-    fault.write_text(json.dumps({"step": step, "rank": rank, "hang_s": hang_s}))
-    try:
+    with faults_injected({"step": step, "rank": rank, "hang_s": hang_s}):
         yield
+
+
+@contextmanager
+def faults_injected(*faults: dict) -> Iterator[Path]:
+    """fault_injected's faults ({step, rank, hang_s}), several; yields where a hang says it started
+    (hanging-<n>.json, n its place in `faults`)."""
+    fault = HOOKS_DIR / "fault.json"
+    fault.write_text(json.dumps(list(faults)))
+    try:
+        yield HOOKS_DIR
     finally:
         fault.unlink()
+        for marker in HOOKS_DIR.glob("hanging-*.json"):
+            marker.unlink()

@@ -18,6 +18,9 @@ from contextlib import contextmanager
 import ray
 from ray.train import UserCallback
 
+# Ray Train's own test of a worker that died with its preempted node: what it charges to max_preemption_failures.
+from ray.train.v2._internal.execution.worker_group.poll import _is_preempted_actor
+
 from tasks.core import storage
 from tasks.core.progress import Beat, beat, last_beat, periodically, say
 from tasks.core.strict import first_line
@@ -84,6 +87,18 @@ class FailureRelay(UserCallback):
         return "an earlier attempt's latest checkpoint, or step 0 if it left none"
 
     def after_exception(self, run_context, worker_exceptions: dict[int, Exception]) -> None:
+        # A node that went after its preemption notice is not a failure: Ray Train starts the workers
+        # again from the latest checkpoint, apart from max_failures (tasks/train/preemption.py).
+        if preempted := [rank for rank, error in worker_exceptions.items() if _is_preempted_actor(error)]:
+            last = last_beat(self.channel, preempted[0])
+            at = f" at step {last.step}" if last else ""
+            say(
+                self.channel,
+                logging.WARNING,
+                f"lost training worker {preempted[0]}'s node to its preemption{at}: "
+                f"training goes on from {self.resumed_from()}",
+            )
+            return
         self.failures += 1
         rank, error = min(worker_exceptions.items())
         last = last_beat(self.channel, rank)

@@ -41,6 +41,7 @@ from tasks.train.checkpoints import CheckpointPolicy, export, restore, resume, s
 from tasks.train.engine import engine_line, setup
 from tasks.train.evaluation import predicted
 from tasks.train.lora import parameter_counts
+from tasks.train.preemption import Notice, described
 from tasks.train.replica import on
 from tasks.train.spec import WorkerSpec
 from tasks.train.stream import drawn
@@ -159,6 +160,7 @@ class Recipe:
             self.device.type == "cuda",
         )
         self.predictions: Predictions | None = None  # the last validation's, by row
+        self.notice = Notice()
         self.nodes: list[str] = [None] * dist.get_world_size()
         dist.all_gather_object(self.nodes, ray.get_runtime_context().get_node_id())
         # A lone worker has no gradient to all-reduce, yet ZeRO-0's backward flattens every gradient into
@@ -216,13 +218,21 @@ class Recipe:
         validated = policy.validates(step, last)
         if validated:
             self.validate(position)
-        if policy.checkpoints(step, last, validated, curve):
+        preempted = self.notice.arrived()  # its checkpoint now, or the epoch's end's (last)
+        if policy.checkpoints(step, last, validated, curve) or (preempted and not last):
             self.pulse("checkpointing", step)
             mid_epoch = self.progress.model_copy(update={"epoch": epoch, "batches_done": stats.done}, deep=True)
             save(self.engine, mid_epoch, policy.reported(curve, step, position, validated))
             stats.checkpoint_seconds.append(time.perf_counter() - pause_from)
         elif validated:  # for Ray Tune's schedulers, which act on every evaluation (tasks/sweep/)
             ray.train.report(policy.reported(curve, step, position, validated))
+        if preempted and self.leader:
+            answer = (
+                "the epoch's checkpoint follows"
+                if last
+                else f"checkpointed in {time.perf_counter() - pause_from:.1f} s"
+            )
+            say(self.channel, logging.WARNING, f"{described()} at step {step}: {answer}; training goes on meanwhile")
         stats.paused += time.perf_counter() - pause_from
         return step >= self.spec.max_steps or policy.patience_spent(curve)
 

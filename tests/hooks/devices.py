@@ -51,6 +51,12 @@ class HostDefaults(TorchFunctionMode):
         return made is not None and made() is tensor
 
 
+def on_a_host_group(group) -> bool:
+    """A gloo group of ftflow's own beside the training one (tasks/train/preemption.py): host tensors
+    are what it takes, on a GPU too."""
+    return group is not None and group is not dist.GroupMember.WORLD and dist.get_backend(group) == "gloo"
+
+
 def check_collectives(device: torch.device) -> None:
     """From here on in this worker's thread, a collective refuses a tensor off `device`, or one that
     ftflow's code made on the default device, naming the collective and the tensor's shape."""
@@ -59,6 +65,8 @@ def check_collectives(device: torch.device) -> None:
 
     def checked(name: str, collective):
         def call(*args, **kwargs):
+            if on_a_host_group(kwargs.get("group")):
+                return collective(*args, **kwargs)
             for tensor in [*args, *kwargs.values()]:
                 tensors = tensor if isinstance(tensor, list | tuple) else [tensor]
                 for each in (t for t in tensors if isinstance(t, torch.Tensor)):

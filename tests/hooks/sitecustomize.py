@@ -3,7 +3,7 @@ puts this folder first on PYTHONPATH before any Ray starts, and Python imports `
 start-up): what the tests need inside training workers, so that ftflow's own modules read no test
 variable. Nothing is imported here until a hooked module is:
 
-- tasks.train.watch: a fault at an optimizer step (conftest.fault_injected writes it), raised, or
+- tasks.train.watch: faults at optimizer steps (conftest.fault_injected writes them), each raised, or
   hung for a while, by one worker, once per run (the first worker to reach it, of every attempt);
 - tasks.train.worker: with FTFLOW_TEST_CHECK_DEVICES=1, every collective's tensor checked against
   the worker's training device (tests/hooks/devices.py).
@@ -23,24 +23,28 @@ FAULT_FILE = "fault.json"  # in FTFLOW_TEST_HOOKS_DIR
 
 
 def injected(pulse, step: int) -> None:
-    """The test's fault, if this is its worker and step and it has not fired yet in this run (the
-    run's progress channel names it)."""
-    path = Path(os.environ.get("FTFLOW_TEST_HOOKS_DIR", "/nonexistent"), FAULT_FILE)
-    if not path.exists():
+    """The test's faults, each at its worker and step, if it has not fired yet in this run (the run's
+    progress channel names it). A hang leaves hanging-<n>.json beside them as it starts: its step and
+    the raylet that started the worker (which node it is on)."""
+    hooks = Path(os.environ.get("FTFLOW_TEST_HOOKS_DIR", "/nonexistent"))
+    if not (hooks / FAULT_FILE).exists():
         return
-    fault = json.loads(path.read_text())
-    if fault["step"] != step or fault["rank"] != pulse.rank:
-        return
-    from ray.experimental import internal_kv
+    for number, fault in enumerate(json.loads((hooks / FAULT_FILE).read_text())):
+        if fault["step"] != step or fault["rank"] != pulse.rank:
+            continue
+        from ray.experimental import internal_kv
 
-    from tasks.core.progress import NAMESPACE
+        from tasks.core.progress import NAMESPACE
 
-    if internal_kv._internal_kv_put(f"{pulse.channel}fault", b"fired", overwrite=False, namespace=NAMESPACE):
-        return  # True: the key was there, the fault has fired
-    if fault["hang_s"]:
-        time.sleep(fault["hang_s"])
-        return
-    raise RuntimeError(f"injected fault at step {step}, at {time.time():.3f}")  # when, for the test to time its line
+        if internal_kv._internal_kv_put(f"{pulse.channel}fault{number}", b"1", overwrite=False, namespace=NAMESPACE):
+            continue  # True: the key was there, the fault has fired
+        if fault["hang_s"]:
+            (hooks / f"hanging-{number}.json").write_text(json.dumps({"step": step, "raylet": os.getppid()}))
+            time.sleep(fault["hang_s"])
+            continue
+        raise RuntimeError(
+            f"injected fault at step {step}, at {time.time():.3f}"
+        )  # when, for the test to time its line
 
 
 def hook_watch(module) -> None:

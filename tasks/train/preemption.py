@@ -1,0 +1,50 @@
+"""Preemption notices, answered with a checkpoint at once.
+
+A node that is going away drains first: SIGTERM to its `ray start` (what Kubernetes sends a pod it
+evicts, and what a cloud's spot reclaim comes to) marks it draining, with a deadline
+(RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S on the node, 30 s by default), and Ray Train's watcher tells every
+worker of the run within its poll interval (RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S, 5 s). The workers
+agree on the step to answer at, checkpoint there and train on; once the node is gone Ray Train starts
+them again from that checkpoint, counted against max_preemption_failures (unbounded), not max_failures.
+Only the steps after it are trained again.
+
+The workers agree by an all-reduce of one flag per optimizer step, over a gloo group of their own: on
+the host, so that a GPU run does not wait for its device every step. Ray's public way,
+ray.train.get_preemption_info, is a round trip through a Ray actor at every call; the notice it
+agrees on is the one each worker holds, read here directly (Ray Train offers no other read of it).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+from ray.train.v2._internal.execution.context import get_train_context
+
+
+class Notice:
+    """Whether a preemption notice has reached any worker, agreed by all at the same step; once."""
+
+    def __init__(self):
+        self.group = dist.new_group(backend="gloo")
+        self.flag = torch.zeros(1, device="cpu")  # gloo's: on the host, whatever the training device
+        self.answered = False
+
+    def arrived(self) -> bool:
+        if self.answered:
+            return False
+        self.flag[0] = float(get_train_context().preemption_context.preemption_info is not None)
+        dist.all_reduce(self.flag, op=dist.ReduceOp.MAX, group=self.group)
+        self.answered = bool(self.flag[0])
+        return self.answered
+
+
+def described() -> str:
+    """The notice as this worker holds it (the watcher tells the workers one after the other)."""
+    info = get_train_context().preemption_context.preemption_info
+    if info is None:
+        return "a preemption notice"
+    nodes = ", ".join(node[:8] for node in info.preempted_node_ids)
+    left = f", {info.deadline_ms / 1000 - time.time():.0f} s before its deadline" if info.deadline_ms else ""
+    return f"a preemption notice for node {nodes} (rank {', '.join(map(str, info.preempted_ranks))}){left}"

@@ -1,0 +1,110 @@
+"""A training node that receives SIGTERM (the notice Kubernetes gives a pod it evicts, and a cloud's spot
+reclaim comes to) mid-training, on a cluster of separate `ray start` nodes: the workers checkpoint at
+once, inside the node's drain window, and train on; once the node is gone the run goes on from that
+checkpoint on the spare node, and completes with every epoch and curve point once."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+from conftest import FTFLOW, faults_injected, free_port
+from test_cluster import ROOT, alive_nodes, start_ray_head
+from test_flow import check_run, params
+
+from infra.local.stack import RAY
+from tasks.core import storage
+
+DRAIN_S = 12  # the nodes' drain window (RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S; Ray's default is 30 s)
+
+
+def start_node(port: int, env: dict[str, str], log: Path) -> subprocess.Popen:
+    """A 1-CPU `ray start --block` node joining the head, once it is up: SIGTERM drains it for DRAIN_S,
+    then stops it. (Four started at once here, three timed out: one at a time.)"""
+    node = subprocess.Popen(
+        [*RAY, "start", "--address", f"127.0.0.1:{port}", "--node-ip-address", "127.0.0.1", "--num-cpus", "1"]
+        + ["--dashboard-agent-listen-port", str(free_port()), "--block", "--disable-usage-stats"],
+        env={**env, "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": str(DRAIN_S)},
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    while "Ray runtime started" not in log.read_text():
+        assert node.poll() is None, log.read_text()[-2000:]
+        time.sleep(0.2)
+    return node
+
+
+def node_of_rank_1(nodes: list[subprocess.Popen], rank_0_raylet: int) -> subprocess.Popen:
+    """The node whose raylet started a training worker, other than rank 0's."""
+
+    def trains(node: subprocess.Popen) -> bool:
+        processes = psutil.Process(node.pid).children(recursive=True)
+        raylets = [p for p in processes if p.name() == "raylet" and p.pid != rank_0_raylet]
+        return any("RayTrainWorker" in " ".join(p.cmdline()) for raylet in raylets for p in raylet.children())
+
+    [node] = [node for node in nodes if trains(node)]
+    return node
+
+
+def test_a_node_sigtermed_mid_training_is_checkpointed_at_once_and_the_run_goes_on_without_it(
+    tiny_model, small_data, tmp_path
+):
+    port, token = free_port(), secrets.token_hex(32)
+    secured = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}
+    head = start_ray_head(port, secured, "--num-cpus", "0")  # no work on the head: it is not SIGTERMed
+    # two training workers, the CPU Ray Data's split of the training stream holds, and a spare
+    nodes = [start_node(port, secured, tmp_path / f"node-{n}.log") for n in range(4)]
+    driver = {**secured, "RAY_ADDRESS": f"127.0.0.1:{port}"}
+    run_params = params(tiny_model, small_data, str(tmp_path / "store"))
+    run_params.storage_shared = True  # every node is on this machine
+    run_params.train = run_params.train.model_copy(update={"num_workers": 2, "cpus_per_worker": 1})
+    (config := tmp_path / "params.json").write_text(run_params.model_dump_json())
+    # Rank 0 holds the run at step 5 while the notice comes (Ray Train's watcher looks every 5 s; it is
+    # answered at that step), then from step 60 until the node has gone, so that it goes mid-training.
+    holds = {"step": 5, "rank": 0, "hang_s": 7}, {"step": 60, "rank": 0, "hang_s": 120}
+    try:
+        while alive_nodes(driver) < 5:
+            time.sleep(1)
+        with faults_injected(*holds) as hooks:
+            run = subprocess.Popen(
+                [FTFLOW, "run", "--verbose", "--params", str(config)],
+                cwd=ROOT,
+                env=driver,
+                stdout=(out := (tmp_path / "out.txt").open("w")),
+                stderr=subprocess.STDOUT,
+            )
+            while not (held := hooks / "hanging-0.json").exists() and run.poll() is None:
+                time.sleep(0.2)
+            sigterm_at = time.time()
+            node_of_rank_1(nodes, json.loads(held.read_text())["raylet"]).send_signal(signal.SIGTERM)
+            run.wait(timeout=600)
+    finally:
+        for process in [*nodes, head]:
+            os.killpg(process.pid, signal.SIGTERM)
+        for process in [*nodes, head]:
+            process.wait(timeout=60)
+    out.close()
+    said = (tmp_path / "out.txt").read_text()
+    assert run.returncode == 0, said[-4000:]
+    notice = re.search(
+        r"a preemption notice for node \w+ \(rank 1\), (\d+) s before its deadline at step 5: "
+        r"checkpointed in ([\d.]+) s; training goes on meanwhile",
+        said,
+    )
+    assert notice, said[-4000:]
+    assert 0 < int(notice[1]) < DRAIN_S, "answered inside the drain window"
+    assert re.search(
+        r"lost training worker 1's node to its preemption at step \d+: training goes on from step 5\b", said
+    )
+    run_dir = re.search(r"artifacts: +(\S+)", said)[1]
+    manifest = check_run(run_dir, storage.read_json(storage.join(run_dir, "metrics.json"))["accuracy"], small_data)
+    assert {record["resumed_from_step"] for record in manifest["metrics"]["training"]["history"]} == {5}
+    assert time.time() - sigterm_at > DRAIN_S, "the run outlived the node"
