@@ -59,7 +59,9 @@ def test_a_node_sigtermed_mid_training_is_checkpointed_at_once_and_the_run_goes_
 ):
     port, token = free_port(), secrets.token_hex(32)
     secured = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}
-    head = start_ray_head(port, secured, "--num-cpus", "0")  # no work on the head: it is not SIGTERMed
+    # No work on the head (it is not SIGTERMed); a dashboard, as a cluster has: without one, ftflow takes
+    # the cluster for its own local Ray, which no preemption can reach, and does not watch for them.
+    head = start_ray_head(port, secured, "--num-cpus", "0", dashboard=free_port())
     # two training workers, the CPU Ray Data's split of the training stream holds, and a spare
     nodes = [start_node(port, secured, tmp_path / f"node-{n}.log") for n in range(4)]
     driver = {**secured, "RAY_ADDRESS": f"127.0.0.1:{port}"}
