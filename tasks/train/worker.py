@@ -220,21 +220,24 @@ class Recipe:
             self.validate(position)
         preempted = self.notice.arrived()  # its checkpoint now, or the epoch's end's (last)
         if policy.checkpoints(step, last, validated, curve) or (preempted and not last):
-            self.pulse("checkpointing", step)
-            mid_epoch = self.progress.model_copy(update={"epoch": epoch, "batches_done": stats.done}, deep=True)
-            save(self.engine, mid_epoch, policy.reported(curve, step, position, validated))
-            stats.checkpoint_seconds.append(time.perf_counter() - pause_from)
+            self.checkpoint(epoch, stats, policy.reported(curve, step, position, validated))
         elif validated:  # for Ray Tune's schedulers, which act on every evaluation (tasks/sweep/)
             ray.train.report(policy.reported(curve, step, position, validated))
         if preempted and self.leader:
             answer = (
-                "the epoch's checkpoint follows"
-                if last
-                else f"checkpointed in {time.perf_counter() - pause_from:.1f} s"
+                "the epoch's checkpoint follows" if last else f"checkpointed in {stats.checkpoint_seconds[-1]:.1f} s"
             )
             say(self.channel, logging.WARNING, f"{described()} at step {step}: {answer}; training goes on meanwhile")
         stats.paused += time.perf_counter() - pause_from
         return step >= self.spec.max_steps or policy.patience_spent(curve)
+
+    def checkpoint(self, epoch: int, stats: EpochStats, metrics: dict) -> None:
+        """A mid-epoch checkpoint, its seconds kept."""
+        self.pulse("checkpointing", self.engine.global_steps)
+        saving_from = time.perf_counter()
+        mid_epoch = self.progress.model_copy(update={"epoch": epoch, "batches_done": stats.done}, deep=True)
+        save(self.engine, mid_epoch, metrics)
+        stats.checkpoint_seconds.append(time.perf_counter() - saving_from)
 
     def validate(self, position: float) -> None:
         self.pulse("validating", self.engine.global_steps)
