@@ -87,6 +87,9 @@ class EpochRecord(BaseModel):
     epoch: float  # epochs done at this record: whole, unless max_steps ended the run mid-epoch
     step: int
     resumed_from_step: int
+    # the worker group that trained since resumed_from_step (a run resumed at another size, or restarted
+    # on the nodes a preemption left); None: recorded before ftflow kept it
+    workers: int | None = None
     train_loss: float
     val_loss: float
     val_accuracy: float | None

@@ -152,6 +152,8 @@ def epoch_rows(training: Result) -> list[dict]:
             **({"val entity F1": round(e.val_entity_f1, 4)} if e.val_entity_f1 is not None else {}),
             "samples/s": round(e.samples_per_s, 1),
             "peak MiB per worker": round(e.peak_memory_mb),
+            "workers": e.workers if e.workers is not None else "",
+            "resumed from step": e.resumed_from_step or "",
         }
         for e in training.history
     ]

@@ -252,5 +252,5 @@ def log_history(logger: logging.Logger, result: Result) -> None:
             accuracy,
             row.samples_per_s,
             row.peak_memory_mb,
-            f", resumed from step {row.resumed_from_step}" if row.resumed_from_step else "",
+            f", resumed from step {row.resumed_from_step} on {row.workers} worker(s)" if row.resumed_from_step else "",
         )

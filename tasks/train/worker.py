@@ -279,6 +279,7 @@ class Recipe:
             epoch=round(epoch + stats.done / self.spec.batches_per_epoch, 4),
             step=self.engine.global_steps,
             resumed_from_step=self.resumed_from,
+            workers=dist.get_world_size(),
             train_loss=totals[0].item() / max(totals[1].item(), 1),
             val_loss=validation.loss,
             val_accuracy=validation.accuracy,
