@@ -22,7 +22,7 @@ from test_flow import params
 from infra.local.stack import RAY
 from tasks.core import storage
 
-DRAIN_S = 8  # the nodes' drain window (RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S; Ray's default is 30 s)
+DRAIN_S = 12  # the nodes' drain window (RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S; Ray's default is 30 s)
 
 
 def start_node(port: int, env: dict[str, str], log: Path) -> subprocess.Popen:
@@ -72,7 +72,7 @@ def test_a_node_sigtermed_mid_training_is_checkpointed_at_once_and_the_run_goes_
     (config := tmp_path / "params.json").write_text(run_params.model_dump_json())
     # Rank 0 holds the run at step 5 while the notice comes (Ray Train's watcher looks every 1 s as ftflow
     # sets it; it is answered at that step), then from step 60 until the node has gone, mid-training.
-    holds = {"step": 5, "rank": 0, "hang_s": 3}, {"step": 60, "rank": 0, "hang_s": 120}
+    holds = {"step": 5, "rank": 0, "hang_s": 6}, {"step": 60, "rank": 0, "hang_s": 120}
     try:
         while alive_nodes(driver) < 5:
             time.sleep(1)
