@@ -3,7 +3,8 @@
 A node that is going away drains first: SIGTERM to its `ray start` (what Kubernetes sends a pod it
 evicts, and what a cloud's spot reclaim comes to) marks it draining, with a deadline
 (RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S on the node, 30 s by default), and Ray Train's watcher tells every
-worker of the run within its poll interval (RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S, 5 s). The workers
+worker of the run within its poll interval (RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S: 1 s as
+tasks/train/driver.py sets it, Ray's default 5 s). The workers
 agree on the step to answer at, checkpoint there and train on; once the node is gone Ray Train starts
 them again from that checkpoint, counted against max_preemption_failures (unbounded), not max_failures.
 Only the steps after it are trained again.
