@@ -44,7 +44,9 @@ from tasks.core.text import local_model
 from tasks.core.train_config import TrainConfig
 
 
-def params(tiny_model, data: dict, root: str) -> FinetuneParams:
+def params(tiny_model, data: dict, root: str, epochs: int = 4) -> FinetuneParams:
+    """A run of the tiny model on `data`: 4 epochs of 64 steps, what it needs to learn; a test about
+    something else trains 1 (test_finetune_on_local_storage sees it learn)."""
     return FinetuneParams(
         data=DataConfig(
             train_uri=str(data["train"]), validation_uri=str(data["validation"]), test_uri=str(data["test"])
@@ -52,28 +54,31 @@ def params(tiny_model, data: dict, root: str) -> FinetuneParams:
         model=ModelConfig(name_or_path=str(tiny_model), max_length=64),
         # The randomly initialised tiny model learns from its second epoch on at 1e-3: test accuracy
         # 0.63-0.69 after 4 epochs over 5 inits (plain torch, one order); at 3e-3, 3 of 3 inits stayed at 0.5.
-        train=TrainConfig(epochs=4, batch_size=32, learning_rate=1e-3),
+        train=TrainConfig(epochs=epochs, batch_size=32, learning_rate=1e-3),
         storage_root=root,
     )
 
 
-def check_run(run_dir: str, test_accuracy: float, data: dict) -> dict:
-    """What a user checks after a run: manifest, metrics, a loadable model, one prediction per row."""
+def check_run(run_dir: str, test_accuracy: float, data: dict, epochs: int = 4) -> dict:
+    """What a user checks after a run: manifest, metrics, a loadable model, one prediction per row; and
+    that the model learned, in a run of the 4 epochs it needs (a shorter run checks what it is about)."""
     manifest = storage.read_json(storage.join(run_dir, "manifest.json"))
     metrics = storage.read_json(storage.join(run_dir, "metrics.json"))
     assert manifest["metrics"]["test"] == metrics and metrics["accuracy"] == test_accuracy
-    assert metrics["accuracy"] > 0.6, "the tiny model should learn something from 2048 reviews"
     assert sum(map(sum, metrics["confusion_matrix"])) == metrics["rows"] == 128
     assert set(metrics) >= {"accuracy", "macro_f1", "confusion_matrix"}
     assert manifest["data"]["splits"]["train"]["sha256"] == storage.sha256(str(data["train"]))
     assert manifest["config"]["train"]["seed"] == 42 and "torch" in manifest["versions"]
-    assert [row["epoch"] for row in manifest["metrics"]["training"]["history"]] == [1, 2, 3, 4]
-    # 4 epochs of 64 steps: training logged every 10 steps, validation every 100 and at epoch ends
-    curve = manifest["metrics"]["training"]["curve"]
-    assert [p["step"] for p in curve["train"]] == list(range(10, 251, 10))
-    assert [p["step"] for p in curve["validation"]] == [64, 100, 128, 192, 200, 256]
-    first, last = curve["train"][:3], curve["train"][-3:]
-    assert sum(p["loss"] for p in last) < sum(p["loss"] for p in first) and sum(p["accuracy"] for p in last) / 3 > 0.6
+    assert [row["epoch"] for row in manifest["metrics"]["training"]["history"]] == list(range(1, epochs + 1))
+    # epochs of 64 steps: training logged every 10 steps, validation every 100 and at epoch ends
+    curve, steps = manifest["metrics"]["training"]["curve"], 64 * epochs
+    assert [p["step"] for p in curve["train"]] == list(range(10, steps + 1, 10))
+    assert [p["step"] for p in curve["validation"]] == sorted({*range(64, steps + 1, 64), *range(100, steps + 1, 100)})
+    if epochs == 4:
+        assert metrics["accuracy"] > 0.6, "the tiny model should learn something from 2048 reviews"
+        first, last = curve["train"][:3], curve["train"][-3:]
+        assert sum(p["loss"] for p in last) < sum(p["loss"] for p in first)
+        assert sum(p["accuracy"] for p in last) / 3 > 0.6
     seconds = manifest["seconds"]
     assert set(seconds) - {"start to first training step"} == {
         "tokenize",
@@ -91,8 +96,11 @@ def check_run(run_dir: str, test_accuracy: float, data: dict) -> dict:
         "evaluate, promote, batch inference, report",
     } <= set(phases)
     assert all(s >= 0 for s in phases.values()) and sum(phases.values()) >= seconds["train"]
+    to_training_end = sum(phases.values()) - sum(
+        phases.get(phase, 0) for phase in ("imports and Prefect's start", "evaluate, promote, batch inference, report")
+    )
     if "start to first training step" in seconds:  # absent when a re-run of a finished run trains nothing
-        assert seconds["tokenize"] < seconds["start to first training step"] < seconds["tokenize"] + seconds["train"]
+        assert seconds["tokenize"] < seconds["start to first training step"] < to_training_end
     after = seconds["evaluate"] + seconds["promote"] + seconds["batch inference"]
     assert after - 0.02 <= seconds["training's end to the report"] < 600, "each of the four rounded to 0.01 s"
 
@@ -126,7 +134,15 @@ def check_report(run_dir: str, manifest: dict) -> None:
     metrics = manifest["metrics"]
     assert f"Test accuracy **{metrics['test']['accuracy']:.4f}**" in text
     assert f"| test | macro_f1 | {round(metrics['test']['macro_f1'], 4)} |" in text
-    assert "Promotion: **promoted to champion of `sentiment`** (no champion yet)" in text
+    # The promotion floor: the score of always answering the majority class, 0.5 on the balanced test split
+    # (what a model of one epoch, which has not learned yet, scores).
+    promoted = metrics["test"]["accuracy"] > 0.5
+    said = (
+        "promoted to champion of `sentiment`** (no champion yet)"
+        if promoted
+        else "not promoted: `sentiment`'s champion"
+    )
+    assert f"Promotion: **{said}" in text
     assert "| train | 2048 |" in text and manifest["outputs"]["model"] in text and "| batch inference |" in text
     for name in ("training.png", "confusion-matrix.png"):
         stored = storage.join(report, name)
@@ -198,10 +214,10 @@ def test_finetune_on_s3_survives_faults_and_leaks_no_credential(faulty_s3, tiny_
     the key and secret, the lines about the failed requests included. (One run proves both: a
     credential is likeliest to slip into a log in an error's message.)"""
     root = f"s3://{BUCKET}/faults-{uuid.uuid4().hex[:8]}"
-    state = finetune(params(tiny_model, s3_data, root), return_state=True)
+    state = finetune(params(tiny_model, s3_data, root, epochs=1), return_state=True)
     summary = state.result()
     assert summary.run_dir.startswith(f"{root}/runs/")
-    manifest = check_run(summary.run_dir, summary.test["accuracy"], s3_data)
+    manifest = check_run(summary.run_dir, summary.test["accuracy"], s3_data, epochs=1)
     assert manifest["outputs"]["model"] == f"{summary.run_dir}/model"
     counts = faulty_s3()
     assert counts["InternalError"] and counts["SlowDown"] and counts["dropped"], counts
@@ -272,7 +288,7 @@ def test_a_flow_run_that_fails_mid_training_is_retried_and_resumes_in_the_same_r
     """A worker killed with no restarts left fails the flow run; Prefect retries it (as a deployment's
     `retries` or the UI's Retry do), and the retry continues the same run folder from the last
     checkpoint: one run, one manifest, every step of the curve once."""
-    run_params = params(tiny_model, small_data, str(tmp_path / "store"))
+    run_params = params(tiny_model, small_data, str(tmp_path / "store"), epochs=1)
     run_params.train = run_params.train.model_copy(
         update={"num_workers": 2, "checkpoint_every_steps": 10, "max_failures": 0}
     )
@@ -292,7 +308,7 @@ def test_a_flow_run_that_fails_mid_training_is_retried_and_resumes_in_the_same_r
             "the flow run failed once, then was retried"
         )
     [run_dir] = (tmp_path / "store" / "runs").iterdir()
-    manifest = check_run(str(run_dir), state.result().test["accuracy"], small_data)
+    manifest = check_run(str(run_dir), state.result().test["accuracy"], small_data, epochs=1)
     assert manifest["metrics"]["training"]["history"][-1]["resumed_from_step"] > 0, "the retry trained from step 0"
 
 
