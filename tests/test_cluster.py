@@ -282,7 +282,7 @@ def gpu_requests_fail_within_their_wait(finetune, joined: dict, outside: dict, m
     """Requests no node type can satisfy (a GPU), in training (a driver that joined) and in batch
     inference (as a job, its refusal raised again as the same line): each fails once its wait runs out,
     saying what did not come, and is not tried again."""
-    never = finetune(f"s3://{BUCKET}/never", joined, device="gpu", wait_for_workers_s=5)
+    never = finetune(f"s3://{BUCKET}/grows", joined, device="gpu", wait_for_workers_s=5)  # tokenized: trains at once
     assert never.returncode != 0
     assert (
         "the Ray cluster did not make room for 2 training worker(s) of 2 CPU and 1 GPU each within wait_for_workers_s=5"
@@ -337,7 +337,7 @@ def test_finetune_as_ray_jobs_on_a_token_secured_cluster_that_grows_and_shrinks(
     config = tmp_path / "params.json"
 
     def finetune(root: str, env: dict[str, str], **train: object) -> subprocess.CompletedProcess:
-        run_params = params(tiny_model, s3_data, root)
+        run_params = params(tiny_model, s3_data, root, epochs=1)
         run_params.train = run_params.train.model_copy(update={"num_workers": 2, "cpus_per_worker": 2, **train})
         run_params.inference.actors = 2
         config.write_text(run_params.model_dump_json())
@@ -372,7 +372,7 @@ def test_finetune_as_ray_jobs_on_a_token_secured_cluster_that_grows_and_shrinks(
     run_dir = re.search(r"artifacts: +(\S+)", run.stdout)[1]
     accuracy = storage.read_json(storage.join(run_dir, "metrics.json"))["accuracy"]
     assert f"test accuracy: {accuracy:.4f}" in run.stdout
-    manifest = check_run(run_dir, accuracy, s3_data)
+    manifest = check_run(run_dir, accuracy, s3_data, epochs=1)
     assert len(set(manifest["metrics"]["training"]["nodes"])) == 2, "one worker per added node: 2 CPUs each, 3 per node"
     # The head reports the machine's address; its port says which cluster the run used.
     assert manifest["cluster"]["gcs_address"].endswith(f":{port}"), "the run used the cluster it was pointed at"
