@@ -77,7 +77,7 @@ def trained(logger: logging.Logger, job: TrainingJob, callbacks: tuple[UserCallb
     # The workers' ticks, lines and heartbeats, while training runs; a stall is reported under the run.
     with relayed(logger, Watchdog(logger, job.store.stall, cfg.stall_warning_s)) as channel:
         trainer = build_trainer(spec, channel, train_rows.random_shuffle(seed=cfg.seed), job.store, callbacks)
-        ray_train_settings(cfg)
+        ray_train_settings(spec)
         run(trainer, spec, job.store.train_dir)
     result = Result.model_validate(storage.read_json(storage.join(job.store.model_dir, STATE_FILE)))
     warn_spread_groups(logger, result, cfg.tensor_parallel_size)
@@ -119,6 +119,7 @@ def worker_spec(job: TrainingJob, cfg: TrainConfig, the_plan: Plan, train_count:
         model_uri=job.store.model_dir,
         adapter_uri=job.store.adapter_dir,
         evaluation=evaluation,
+        preemptible=not cluster.local_ray(),
     )
 
 
@@ -173,7 +174,7 @@ def checkpoint_config(cfg: TrainConfig) -> CheckpointConfig:
     return CheckpointConfig(num_to_keep=2, checkpoint_score_attribute=SCORE, checkpoint_score_order="max")
 
 
-def ray_train_settings(cfg: TrainConfig) -> None:
+def ray_train_settings(spec: WorkerSpec) -> None:
     """Ray Train reads how long a worker group may take to start, and how often its controller polls
     the workers, from the driver's environment (it passes them to its controller); no parameter sets
     them. The default poll, every 2 s, left the run up to 2 s behind its finished workers. Ray Train
@@ -181,9 +182,9 @@ def ray_train_settings(cfg: TrainConfig) -> None:
     for it: a process of its own, 1.9 s of a 2-worker start on the local Ray, where no node can be
     preempted. On a cluster it looks every 1 s, not Ray's 5: the notice's checkpoint gets 4 s more of the
     node's drain window (30 s by default)."""
-    os.environ[WORKER_GROUP_START_TIMEOUT_S_ENV_VAR] = str(cfg.wait_for_workers_s)
+    os.environ[WORKER_GROUP_START_TIMEOUT_S_ENV_VAR] = str(spec.train.wait_for_workers_s)
     os.environ[HEALTH_CHECK_INTERVAL_S_ENV_VAR] = str(HEALTH_CHECK_INTERVAL_S)
-    os.environ[ENABLE_PREEMPTION_WATCHER_ENV_VAR] = "0" if cluster.local_ray() else "1"
+    os.environ[ENABLE_PREEMPTION_WATCHER_ENV_VAR] = "1" if spec.preemptible else "0"
     os.environ[PREEMPTION_POLL_INTERVAL_S_ENV_VAR] = str(PREEMPTION_POLL_INTERVAL_S)
 
 

@@ -25,15 +25,16 @@ from ray.train.v2._internal.execution.context import get_train_context
 
 
 class Notice:
-    """Whether a preemption notice has reached any worker, agreed by all at the same step; once."""
+    """Whether a preemption notice has reached any worker, agreed by all at the same step; once. Where
+    no node can be preempted (`watched` false: ftflow's local Ray), never, and at no cost per step."""
 
-    def __init__(self):
-        self.group = dist.new_group(backend="gloo")
+    def __init__(self, watched: bool):
+        self.group = dist.new_group(backend="gloo") if watched else None
         self.flag = torch.zeros(1, device="cpu")  # gloo's: on the host, whatever the training device
         self.answered = False
 
     def arrived(self) -> bool:
-        if self.answered:
+        if self.group is None or self.answered:
             return False
         self.flag[0] = float(get_train_context().preemption_context.preemption_info is not None)
         dist.all_reduce(self.flag, op=dist.ReduceOp.MAX, group=self.group)

@@ -48,6 +48,9 @@ class WorkerSpec(BaseModel):
     # the shards of validation, and of the test split where there is one: the trained engine labels it (Result.test)
     evaluation: dict[str, str] = {}
     channel: str | None = None  # the driver's progress channel (tasks/core/progress.py), once it listens
+    # whether a node of the run can be preempted: on a cluster, not on ftflow's local Ray, whose nodes
+    # Ray Train's watcher then does not poll and whose workers ask no one (tasks/train/preemption.py)
+    preemptible: bool = False
 
 
 class Progress(BaseModel):

@@ -160,7 +160,7 @@ class Recipe:
             self.device.type == "cuda",
         )
         self.predictions: Predictions | None = None  # the last validation's, by row
-        self.notice = Notice()
+        self.notice = Notice(spec.preemptible)
         self.nodes: list[str] = [None] * dist.get_world_size()
         dist.all_gather_object(self.nodes, ray.get_runtime_context().get_node_id())
         # A lone worker has no gradient to all-reduce, yet ZeRO-0's backward flattens every gradient into
