@@ -87,32 +87,35 @@ class FailureRelay(UserCallback):
         return "an earlier attempt's latest checkpoint, or step 0 if it left none"
 
     def after_exception(self, run_context, worker_exceptions: dict[int, Exception]) -> None:
-        # A node that went after its preemption notice is not a failure: Ray Train starts the workers
-        # again from the latest checkpoint, apart from max_failures (tasks/train/preemption.py).
-        if preempted := [rank for rank, error in worker_exceptions.items() if _is_preempted_actor(error)]:
-            last = last_beat(self.channel, preempted[0])
-            at = f" at step {last.step}" if last else ""
-            say(
-                self.channel,
-                logging.WARNING,
-                f"lost training worker {preempted[0]}'s node to its preemption{at}: "
-                f"training goes on from {self.resumed_from()}",
-            )
-            return
+        preempted = [rank for rank, error in worker_exceptions.items() if _is_preempted_actor(error)]
+        line = self.lost(preempted[0]) if preempted else self.failed(*min(worker_exceptions.items()))
+        say(self.channel, logging.WARNING, line)
+
+    def lost(self, rank: int) -> str:
+        """A node that went after its preemption notice is not a failure: Ray Train starts the workers
+        again from the latest checkpoint, apart from max_failures (tasks/train/preemption.py)."""
+        return (
+            f"lost training worker {rank}'s node to its preemption{self.at_step(rank)}: "
+            f"training goes on from {self.resumed_from()}"
+        )
+
+    def failed(self, rank: int, error: Exception) -> str:
+        """The failure counted, in one line: the worker, where it was, its exception, what happens next."""
         self.failures += 1
-        rank, error = min(worker_exceptions.items())
-        last = last_beat(self.channel, rank)
-        where = f" at step {last.step} ({last.phase})" if last else ""
         then = (
             f"retrying from {self.resumed_from()}, attempt {self.failures + 1} of {self.attempts}"
             if self.failures < self.attempts
             else f"no attempt left of {self.attempts}: training fails"
         )
-        say(
-            self.channel,
-            logging.WARNING,
-            f"training worker {rank} failed{where}: {type(own(error)).__name__}: {first_line(own(error))}; {then}",
-        )
+        where, error = self.at_step(rank, phase=True), own(error)
+        return f"training worker {rank} failed{where}: {type(error).__name__}: {first_line(error)}; {then}"
+
+    def at_step(self, rank: int, phase: bool = False) -> str:
+        """Where the worker was, from its latest heartbeat: ' at step S', with its phase if asked; '' if none came."""
+        last = last_beat(self.channel, rank)
+        if last is None:
+            return ""
+        return f" at step {last.step}" + (f" ({last.phase})" if phase else "")
 
 
 class Watchdog:
