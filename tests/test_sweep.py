@@ -18,6 +18,7 @@ from test_flow import params, run_artifacts
 from test_train import checkpoint_committed
 
 from flows.sweep import sweep
+from tasks.contracts.sweep import shown
 from tasks.contracts.training import STATE_FILE
 from tasks.core import storage
 from tasks.core.sweep_config import SweepConfig, SweepParams
@@ -135,3 +136,22 @@ def test_a_sweep_stops_the_trailing_trials_carries_the_best_on_and_continues_by_
     other = searched.model_copy(update={"sweep": searched.sweep.model_copy(update={"trials": 4})})
     with pytest.raises(ValueError, match=r"^sweep\.trials: 4, but sweep sweep-1 started with 3: "):
         sweep(other)
+
+
+def test_a_searched_value_is_shown_as_a_person_writes_it():
+    """Issue 59: a log-uniform learning rate's trials read alike, whatever their decade."""
+    values = [2.42e-4, 2e-4, 2.35e-05, 1e-12, 0.05, 0.001, 3.0, 0.0, 12345.0, -4.5e-6, 2, "linear"]
+    assert [shown(value) for value in values] == [
+        "2.42e-4",
+        "2e-4",
+        "2.35e-5",
+        "1e-12",
+        "0.05",
+        "0.001",
+        "3",
+        "0",
+        "1.23e4",
+        "-4.5e-6",
+        "2",
+        "linear",
+    ]

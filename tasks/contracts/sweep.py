@@ -20,8 +20,15 @@ def searched(sweep: SweepConfig, train: TrainConfig) -> dict:
 
 
 def shown(value: Any) -> str:
-    """A searched field's value as the trial table shows it."""
-    return f"{value:.3g}" if isinstance(value, float) else str(value)
+    """A searched field's value as the trial table and the progress lines show it: 3 significant digits,
+    and below 0.001 (or from 10,000) in powers of ten as a person writes them, 2.42e-4 and 2e-4 beside
+    2.35e-5 (Python's `.3g` gave 0.000242 beside 2.35e-05)."""
+    if not isinstance(value, float):
+        return str(value)
+    if value == 0 or 1e-3 <= abs(value) < 1e4:
+        return f"{value:.3g}"
+    mantissa, exponent = f"{value:.2e}".split("e")
+    return f"{mantissa.rstrip('0').rstrip('.')}e{int(exponent)}"
 
 
 class TrialRecord(BaseModel):
