@@ -4,11 +4,13 @@ from its checkpoint, a worker failure in a trial survived; its finished trials n
 
 from __future__ import annotations
 
+from itertools import combinations
 from pathlib import Path
 
 import pytest
 import yaml
 from conftest import fault_injected, session_prefect
+from matplotlib.backends.backend_agg import FigureCanvasAgg
 from mlflow import MlflowClient
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
@@ -18,11 +20,12 @@ from test_flow import params, run_artifacts
 from test_train import checkpoint_committed
 
 from flows.sweep import sweep
-from tasks.contracts.sweep import shown
-from tasks.contracts.training import STATE_FILE
+from tasks.contracts.sweep import SweepResult, TrialRecord, shown
+from tasks.contracts.training import STATE_FILE, Curve, Predictions, Result
 from tasks.core import storage
 from tasks.core.sweep_config import SweepConfig, SweepParams
 from tasks.core.train_config import TrainConfig
+from tasks.report.plots import sweep_figure
 from tasks.report.tracking import tracking_uri
 
 # One that throws the model's validation loss far up in a few steps, one that leaves it where it is:
@@ -155,3 +158,43 @@ def test_a_searched_value_is_shown_as_a_person_writes_it():
         "2",
         "linear",
     ]
+
+
+def test_the_sweeps_picture_has_a_log_axis_and_a_categorical_one_whose_labels_do_not_overlap():
+    """Issue 59: a log-uniform learning rate within one decade and a choice of epochs, as an AG News
+    sweep drew them: the log axis labelled without its labels running together, the choice as columns."""
+    rates, epochs = (2.3e-5, 4.1e-5, 9.7e-5, 1.8e-4), (1, 2, 2, 1)
+    trials = [
+        TrialRecord(
+            trial_id=f"t{i}",
+            config={"learning_rate": rate, "epochs": epoch},
+            status="finished" if i == 2 else "stopped early",
+            how="",
+            best=0.5 + i / 10,
+        )
+        for i, (rate, epoch) in enumerate(zip(rates, epochs, strict=True))
+    ]
+    space = {"learning_rate": {"loguniform": [2e-5, 2e-4]}, "epochs": {"choice": [1, 2]}}
+    sweep = SweepResult(
+        metric="val_accuracy",
+        direction="max",
+        fields=list(space),
+        space=space,
+        trials=trials,
+        best_trial="t2",
+        training=Result(history=[], curve=Curve(), validation=Predictions(), nodes=[]),
+    )
+    figure = sweep_figure(sweep)
+    renderer = FigureCanvasAgg(figure).get_renderer()
+    rate_axes, epoch_axes = figure.axes
+    assert rate_axes.get_xscale() == "log" and epoch_axes.get_xscale() == "linear"
+    assert [label.get_text() for label in epoch_axes.get_xticklabels()] == ["1", "2"]
+    for axes in figure.axes:
+        left, right = axes.get_xlim()
+        labels = [
+            label.get_window_extent(renderer)
+            for label, at in zip(axes.get_xticklabels(), axes.get_xticks(), strict=True)
+            if label.get_text() and min(left, right) <= at <= max(left, right)
+        ]
+        assert len(labels) >= 2, axes.get_xlabel()
+        assert not any(a.overlaps(b) for a, b in combinations(labels, 2)), axes.get_xlabel()

@@ -8,7 +8,7 @@ from typing import Any, Literal
 from pydantic import BaseModel
 
 from tasks.contracts.training import Result
-from tasks.core.sweep_config import SweepConfig
+from tasks.core.sweep_config import Distribution, SweepConfig
 from tasks.core.train_config import TrainConfig
 
 Ended = Literal["pending", "running", "finished", "stopped early", "failed"]
@@ -49,6 +49,7 @@ class SweepResult(BaseModel):
     metric: str
     direction: str  # max or min
     fields: list[str]  # the searched train.* fields
+    space: dict[str, Distribution] = {}  # each field's distribution: how its axis is drawn (a choice's, categories)
     trials: list[TrialRecord]
     best_trial: str
     training: Result  # the best trial's, as a run's train stage returns it (its model copied to the run's)

@@ -5,13 +5,17 @@ trials; PLOTS names their files beside the report."""
 from __future__ import annotations
 
 import io
+from collections.abc import Callable
 
 from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
 from tasks.contracts.metrics import Metrics, MultiLabelMetrics, RegressionMetrics, TokenMetrics
 from tasks.contracts.sweep import SweepResult
+from tasks.contracts.sweep import shown as sweep_value
 from tasks.contracts.training import Curve, Predictions
 from tasks.core.data import Split
+from tasks.core.sweep_config import Distribution
 from tasks.core.tagging import OUTSIDE, scheme_of, type_of
 from tasks.report.manifest import Results
 
@@ -49,30 +53,53 @@ def training_plot(curve: Curve) -> bytes:
 
 
 def sweep_plot(sweep: SweepResult) -> bytes:
-    """Each trial's best validation metric against each searched field (log scale for a positive
-    range spanning a decade or more), stopped trials hollow, the best trial marked."""
+    return png(sweep_figure(sweep))
+
+
+def sweep_figure(sweep: SweepResult) -> Figure:
+    """Each trial's best validation metric against each searched field, stopped trials hollow, the best
+    trial marked: a choice field's values as categories, a log-uniform one's on a log axis."""
     figure = Figure(figsize=(5 * len(sweep.fields), 3.8))
     scored = [trial for trial in sweep.trials if trial.best is not None]
     for axes, name in zip(figure.subplots(1, len(sweep.fields), squeeze=False)[0], sweep.fields, strict=True):
+        place = field_axis(axes, sweep.space.get(name))
         for status, style in (("finished", {}), ("stopped early", {"facecolors": "none"})):
             shown = [trial for trial in scored if trial.status == status]
             axes.scatter(
-                [trial.config[name] for trial in shown],
+                [place(trial.config[name]) for trial in shown],
                 [trial.best for trial in shown],
                 edgecolors="C0",
                 label=status,
                 **style,
             )
         best = sweep.best()
-        axes.scatter([best.config[name]], [best.best], marker="*", s=220, color="C3", label=f"best: {best.trial_id}")
-        values = [trial.config[name] for trial in scored if isinstance(trial.config[name], int | float)]
-        if values and min(values) > 0 and max(values) / min(values) >= 10:
-            axes.set_xscale("log")
+        axes.scatter(
+            [place(best.config[name])], [best.best], marker="*", s=220, color="C3", label=f"best: {best.trial_id}"
+        )
         axes.set(xlabel=f"train.{name}", ylabel=f"best {sweep.metric}")
         axes.grid(alpha=0.3)
         axes.legend(fontsize="small")
     figure.tight_layout()
-    return png(figure)
+    return figure
+
+
+def field_axis(axes, space: Distribution | None) -> Callable[[object], object]:
+    """Set a searched field's axis, and return where a value goes on it. A choice: one column per value,
+    labelled as the trial table writes it. Log-uniform: a log axis, its labels at 1, 2 and 5 of each
+    decade (matplotlib labels every minor tick of a short log range, and they ran together). Else linear.
+    A range's axis spans it."""
+    if space is not None and space.choice is not None:
+        axes.set_xticks(range(len(space.choice)), [sweep_value(value) for value in space.choice])
+        axes.set_xlim(-0.5, len(space.choice) - 0.5)
+        return space.choice.index
+    if space is not None and space.loguniform is not None:
+        axes.set_xscale("log")
+        axes.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+        axes.xaxis.set_major_formatter(FuncFormatter(lambda value, _: sweep_value(float(value))))
+        axes.xaxis.set_minor_formatter(NullFormatter())
+    if space is not None and (bounds := space.loguniform or space.uniform):
+        axes.set_xlim(*bounds)  # the range searched, where the trials fell in it
+    return lambda value: value
 
 
 def confusion_plot(metrics: Metrics) -> bytes:

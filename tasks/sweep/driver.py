@@ -145,6 +145,7 @@ def best_of(trials: list[TrialRecord], sweep: SweepConfig, store: RunStore) -> S
         metric=sweep.metric,
         direction=sweep.direction,
         fields=list(sweep.fields()),
+        space=sweep.space["train"],
         trials=trials,
         best_trial=best.trial_id,
         training=finished(store, best.trial_id),
