@@ -25,7 +25,7 @@ from tasks.contracts.training import STATE_FILE, Curve, Predictions, Result
 from tasks.core import storage
 from tasks.core.sweep_config import SweepConfig, SweepParams
 from tasks.core.train_config import TrainConfig
-from tasks.report.plots import sweep_figure
+from tasks.report.plots import sweep_curves_figure, sweep_figure
 from tasks.report.tracking import tracking_uri
 
 # One that throws the model's validation loss far up in a few steps, one that leaves it where it is:
@@ -106,6 +106,12 @@ def test_a_sweep_stops_the_trailing_trials_carries_the_best_on_and_continues_by_
 
     report = Path(summary.run_dir, "report", "report.md").read_text()
     assert "## Sweep" in report and f"**{best['trial_id']}**" in report and "(sweep.png)" in report
+    assert "(sweep-curves.png)" in report and Path(summary.run_dir, "report", "sweep-curves.png").exists()
+    # What the curves picture draws: each trial's metric at its evaluations, up to its last. (Tune's history
+    # of a trial resumed by the second run starts at its restart: the killed trial's first is not there.)
+    for trial in trials.values():
+        evaluations = [evaluation for evaluation, _ in trial["curve"]]
+        assert evaluations == sorted(set(evaluations)) and evaluations[-1] == trial["evaluations"], trial
     assert all(f"| {trial_id} |" in report for trial_id in trials if trial_id != best["trial_id"])
     # As it ran: a line per trial's progress and the sweep's, and the sweep's progress artifact, done.
     with get_client(sync_client=True) as client:
@@ -160,9 +166,10 @@ def test_a_searched_value_is_shown_as_a_person_writes_it():
     ]
 
 
-def test_the_sweeps_picture_has_a_log_axis_and_a_categorical_one_whose_labels_do_not_overlap():
+def test_the_sweeps_pictures_read_and_show_the_curves_asha_judged():
     """Issue 59: a log-uniform learning rate within one decade and a choice of epochs, as an AG News
-    sweep drew them: the log axis labelled without its labels running together, the choice as columns."""
+    sweep drew them: the log axis labelled without its labels running together, the choice as columns;
+    and each trial's metric per evaluation, the best marked, where the stopped ones stopped, the rungs."""
     rates, epochs = (2.3e-5, 4.1e-5, 9.7e-5, 1.8e-4), (1, 2, 2, 1)
     trials = [
         TrialRecord(
@@ -171,6 +178,7 @@ def test_the_sweeps_picture_has_a_log_axis_and_a_categorical_one_whose_labels_do
             status="finished" if i == 2 else "stopped early",
             how="",
             best=0.5 + i / 10,
+            curve=[(1, 0.5), (2, 0.5 + i / 10)][: 2 if i == 2 else 1 + i % 2],
         )
         for i, (rate, epoch) in enumerate(zip(rates, epochs, strict=True))
     ]
@@ -182,8 +190,19 @@ def test_the_sweeps_picture_has_a_log_axis_and_a_categorical_one_whose_labels_do
         space=space,
         trials=trials,
         best_trial="t2",
+        rungs=[1, 2],
         training=Result(history=[], curve=Curve(), validation=Predictions(), nodes=[]),
     )
+    curves = sweep_curves_figure(sweep).axes[0]
+    assert [line.get_label() for line in curves.get_lines() if not line.get_label().startswith("_")] == [
+        "t0",
+        "t1",
+        "t2 (best)",
+        "t3",
+    ]
+    stopped = [line for line in curves.get_lines() if line.get_marker() == "x"]
+    assert [(line.get_xdata()[0], line.get_ydata()[0]) for line in stopped] == [(1, 0.5), (2, 0.6), (2, 0.8)]
+    assert len(curves.get_lines()) == 2 + 4 + 3, "the rungs, a line per trial, a cross per stopped trial"
     figure = sweep_figure(sweep)
     renderer = FigureCanvasAgg(figure).get_renderer()
     rate_axes, epoch_axes = figure.axes

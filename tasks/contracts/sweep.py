@@ -43,6 +43,7 @@ class TrialRecord(BaseModel):
     step: int | None = None  # its last reported optimizer step
     evaluations: int = 0
     seconds: float | None = None
+    curve: list[tuple[int, float]] = []  # (evaluation, the metric) at each of its evaluations
 
 
 class SweepResult(BaseModel):
@@ -50,6 +51,7 @@ class SweepResult(BaseModel):
     direction: str  # max or min
     fields: list[str]  # the searched train.* fields
     space: dict[str, Distribution] = {}  # each field's distribution: how its axis is drawn (a choice's, categories)
+    rungs: list[int] = []  # the evaluations at which the scheduler (ASHA) compared the trials
     trials: list[TrialRecord]
     best_trial: str
     training: Result  # the best trial's, as a run's train stage returns it (its model copied to the run's)

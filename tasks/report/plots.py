@@ -26,6 +26,7 @@ PLOTS = {
     "scatter": "predicted-vs-true.png",  # regression
     "entities": "entities.png",  # token_classification
     "sweep": "sweep.png",
+    "sweep_curves": "sweep-curves.png",
 }
 
 
@@ -79,6 +80,35 @@ def sweep_figure(sweep: SweepResult) -> Figure:
         axes.set(xlabel=f"train.{name}", ylabel=f"best {sweep.metric}")
         axes.grid(alpha=0.3)
         axes.legend(fontsize="small")
+    figure.tight_layout()
+    return figure
+
+
+def sweep_curves_plot(sweep: SweepResult) -> bytes:
+    return png(sweep_curves_figure(sweep))
+
+
+def sweep_curves_figure(sweep: SweepResult) -> Figure:
+    """Each trial's metric at each evaluation, what ASHA judged: the best trial's line bold, each stopped
+    trial's last point crossed where the scheduler stopped it, its rungs faint verticals."""
+    figure = Figure(figsize=(6.5, 4))
+    axes = figure.subplots()
+    for rung in sweep.rungs:
+        axes.axvline(rung, color="grey", alpha=0.25, linewidth=1)
+    for trial in sweep.trials:
+        if not trial.curve:
+            continue
+        evaluations, values = zip(*trial.curve, strict=True)
+        best = trial.trial_id == sweep.best_trial
+        axes.plot(
+            evaluations, values, "o-", linewidth=2.5 if best else 1, label=trial.trial_id + (" (best)" if best else "")
+        )
+        if trial.status == "stopped early":
+            axes.plot(evaluations[-1], values[-1], "x", color="black", markersize=10)
+    axes.set(xlabel="evaluation", ylabel=sweep.metric, title="each trial's evaluations (x: stopped by the scheduler)")
+    axes.xaxis.get_major_locator().set_params(integer=True)
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize="small")
     figure.tight_layout()
     return figure
 

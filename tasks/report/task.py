@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import json
+from collections.abc import Callable
 
 from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
@@ -22,7 +23,7 @@ from tasks.core.layout import RunStore
 from tasks.core.tagging import OUTSIDE, entities
 from tasks.prefect_side.retries import RETRY_TRANSIENT
 from tasks.report.manifest import Outputs, Results, versions
-from tasks.report.plots import PLOTS, TASK_SECTIONS, sweep_plot, task_plot, training_plot
+from tasks.report.plots import PLOTS, TASK_SECTIONS, sweep_curves_plot, sweep_plot, task_plot, training_plot
 
 
 def trial_rows(sweep: SweepResult) -> list[dict]:
@@ -41,7 +42,7 @@ def trial_rows(sweep: SweepResult) -> list[dict]:
     ]
 
 
-def sweep_lines(sweep: SweepResult, image: str, stored: str) -> list[str]:
+def sweep_lines(sweep: SweepResult, images: dict[str, str], stored: Callable[[str], str]) -> list[str]:
     best = sweep.best()
     return [
         "## Sweep",
@@ -49,9 +50,13 @@ def sweep_lines(sweep: SweepResult, image: str, stored: str) -> list[str]:
         f"{len(sweep.trials)} trials; the best by {sweep.metric} ({sweep.direction}imized), trial **{best.trial_id}**, "
         "is the model evaluated, gated and used for inference below.",
         "",
-        f"![best {sweep.metric} against the searched fields]({image})",
+        f"![best {sweep.metric} against the searched fields]({images['sweep']})",
         "",
-        stored,
+        stored("sweep"),
+        "",
+        f"![each trial's {sweep.metric} at each evaluation]({images['sweep_curves']})",
+        "",
+        stored("sweep_curves"),
         "",
         *table(trial_rows(sweep)),
         "",
@@ -231,7 +236,7 @@ def markdown(
         f"Run folder: {link(store.base)}",
         "",
         *summary(results.test, results.promotion),
-        *(sweep_lines(results.sweep, images["sweep"], plot_link("sweep")) if results.sweep else []),
+        *(sweep_lines(results.sweep, images, plot_link) if results.sweep else []),
         "## Metrics",
         "",
         *table(metric_rows(results)),
@@ -277,6 +282,7 @@ def publish_report(
     plots = {"training": training_plot(results.training.curve), **task_plot(results, splits)}
     if results.sweep:
         plots["sweep"] = sweep_plot(results.sweep)
+        plots["sweep_curves"] = sweep_curves_plot(results.sweep)
     for name, image in plots.items():
         storage.write_bytes(storage.join(store.report, PLOTS[name]), image)
     beside = markdown(store, config, splits, outputs, results, seconds, PLOTS)

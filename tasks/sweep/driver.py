@@ -10,6 +10,7 @@ import contextlib
 import logging
 import threading
 import time
+from itertools import count, takewhile
 
 import ray
 from ray import tune
@@ -78,6 +79,13 @@ def tuner(trainable, sweep: SweepConfig, train: TrainConfig, store: RunStore, lo
     )
 
 
+def rungs(sweep: SweepConfig, most: int) -> list[int]:
+    """The evaluations at which ASHA compares the trials, up to the most any trial made."""
+    if sweep.scheduler == "none":
+        return []
+    return list(takewhile(lambda rung: rung <= most, (sweep.grace_period * sweep.reduction_factor**k for k in count())))
+
+
 def scheduler(sweep: SweepConfig):
     """ASHA counts time in evaluations (each trial's reports carry how many it has made), so its grace
     period is a number of evaluations; max_t is only a ceiling no trial reaches."""
@@ -111,7 +119,9 @@ def record(result: tune.Result, sweep: SweepConfig, store: RunStore) -> TrialRec
     """A trial's row, from what Tune recorded of it and what it left in its folder."""
     trial_id = storage.normalize(result.path).rstrip("/").rsplit("/", 1)[-1]
     history = result.metrics_dataframe
-    values = [] if history is None or sweep.metric not in history else history[sweep.metric].dropna().tolist()
+    columns = ["evaluations", sweep.metric]
+    evaluated = [] if history is None or not set(columns) <= set(history) else history[columns].dropna()
+    values = [float(value) for value in (evaluated[sweep.metric] if len(evaluated) else [])]
     evaluations = int(result.metrics.get("evaluations", 0))
     status, how = how_it_ended(result.error, finished(store, trial_id), evaluations)
     return TrialRecord(
@@ -124,6 +134,7 @@ def record(result: tune.Result, sweep: SweepConfig, store: RunStore) -> TrialRec
         step=result.metrics.get("step"),
         evaluations=evaluations,
         seconds=result.metrics.get("time_total_s"),
+        curve=list(zip(map(int, evaluated["evaluations"]), values, strict=True)) if values else [],
     )
 
 
@@ -146,6 +157,7 @@ def best_of(trials: list[TrialRecord], sweep: SweepConfig, store: RunStore) -> S
         direction=sweep.direction,
         fields=list(sweep.fields()),
         space=sweep.space["train"],
+        rungs=rungs(sweep, max(trial.evaluations for trial in trials)),
         trials=trials,
         best_trial=best.trial_id,
         training=finished(store, best.trial_id),
