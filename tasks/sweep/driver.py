@@ -115,15 +115,27 @@ def how_it_ended(error: BaseException | None, result: Result | None, evaluations
     return "stopped early", f"stopped by the scheduler after {evaluations} evaluation(s)"
 
 
+def evaluated(result: tune.Result, trained: Result | None, metric: str) -> list[tuple[int, float]]:
+    """The trial's metric at each of its evaluations. A finished trial's from its own curve, which keeps
+    every point once across restarts: Tune's history of a trial starts again where it was restored (a
+    trial killed, then resumed by the same sweep id, lacked its evaluations before the kill)."""
+    if trained is not None:
+        return [(n, point.value(metric)) for n, point in enumerate(trained.curve.validation, 1)]
+    history = result.metrics_dataframe
+    if history is None or not {"evaluations", metric} <= set(history):
+        return []
+    rows = history[["evaluations", metric]].dropna()
+    return [(int(n), float(value)) for n, value in zip(rows["evaluations"], rows[metric], strict=True)]
+
+
 def record(result: tune.Result, sweep: SweepConfig, store: RunStore) -> TrialRecord:
     """A trial's row, from what Tune recorded of it and what it left in its folder."""
     trial_id = storage.normalize(result.path).rstrip("/").rsplit("/", 1)[-1]
-    history = result.metrics_dataframe
-    columns = ["evaluations", sweep.metric]
-    evaluated = [] if history is None or not set(columns) <= set(history) else history[columns].dropna()
-    values = [float(value) for value in (evaluated[sweep.metric] if len(evaluated) else [])]
+    trained = finished(store, trial_id)
+    curve = evaluated(result, trained, sweep.metric)
+    values = [value for _, value in curve]
     evaluations = int(result.metrics.get("evaluations", 0))
-    status, how = how_it_ended(result.error, finished(store, trial_id), evaluations)
+    status, how = how_it_ended(result.error, trained, evaluations)
     return TrialRecord(
         trial_id=trial_id,
         config={name: result.config[name] for name in sweep.fields()},
@@ -134,7 +146,7 @@ def record(result: tune.Result, sweep: SweepConfig, store: RunStore) -> TrialRec
         step=result.metrics.get("step"),
         evaluations=evaluations,
         seconds=result.metrics.get("time_total_s"),
-        curve=list(zip(map(int, evaluated["evaluations"]), values, strict=True)) if values else [],
+        curve=curve,
     )
 
 
