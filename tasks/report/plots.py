@@ -118,17 +118,18 @@ def field_axis(axes, space: Distribution | None) -> Callable[[object], object]:
     labelled as the trial table writes it. Log-uniform: a log axis, its labels at 1, 2 and 5 of each
     decade (matplotlib labels every minor tick of a short log range, and they ran together). Else linear.
     A range's axis spans it."""
-    if space is not None and space.choice is not None:
+    if space is None:
+        return lambda value: value
+    if space.choice is not None:
         axes.set_xticks(range(len(space.choice)), [sweep_value(value) for value in space.choice])
         axes.set_xlim(-0.5, len(space.choice) - 0.5)
         return space.choice.index
-    if space is not None and space.loguniform is not None:
+    if space.loguniform is not None:
         axes.set_xscale("log")
         axes.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
         axes.xaxis.set_major_formatter(FuncFormatter(lambda value, _: sweep_value(float(value))))
         axes.xaxis.set_minor_formatter(NullFormatter())
-    if space is not None and (bounds := space.loguniform or space.uniform):
-        axes.set_xlim(*bounds)  # the range searched, where the trials fell in it
+    axes.set_xlim(*(space.loguniform or space.uniform))  # the range searched, where the trials fell in it
     return lambda value: value
 
 
