@@ -202,16 +202,25 @@ def test_the_sweeps_pictures_read_and_show_the_curves_asha_judged():
     assert [(line.get_xdata()[0], line.get_ydata()[0]) for line in stopped] == [(1, 0.5), (2, 0.6), (2, 0.8)]
     assert len(curves.get_lines()) == 2 + 4 + 3, "the rungs, a line per trial, a cross per stopped trial"
     figure = sweep_figure(sweep)
-    renderer = FigureCanvasAgg(figure).get_renderer()
     rate_axes, epoch_axes = figure.axes
     assert rate_axes.get_xscale() == "log" and epoch_axes.get_xscale() == "linear"
     assert [label.get_text() for label in epoch_axes.get_xticklabels()] == ["1", "2"]
+    for picture in (figure, curves.figure):
+        assert_labels_read(picture)
+
+
+def assert_labels_read(figure) -> None:
+    """Every axis of every plot shows at least two tick labels within its limits, none over another."""
+    renderer = FigureCanvasAgg(figure).get_renderer()
     for axes in figure.axes:
-        left, right = axes.get_xlim()
-        labels = [
-            label.get_window_extent(renderer)
-            for label, at in zip(axes.get_xticklabels(), axes.get_xticks(), strict=True)
-            if label.get_text() and min(left, right) <= at <= max(left, right)
-        ]
-        assert len(labels) >= 2, axes.get_xlabel()
-        assert not any(a.overlaps(b) for a, b in combinations(labels, 2)), axes.get_xlabel()
+        for labels, ticks, limits, name in (
+            (axes.get_xticklabels(), axes.get_xticks(), axes.get_xlim(), axes.get_xlabel()),
+            (axes.get_yticklabels(), axes.get_yticks(), axes.get_ylim(), axes.get_ylabel()),
+        ):
+            shown = [
+                label.get_window_extent(renderer)
+                for label, at in zip(labels, ticks, strict=True)
+                if label.get_text() and min(limits) <= at <= max(limits)
+            ]
+            assert len(shown) >= 2, name
+            assert not any(a.overlaps(b) for a, b in combinations(shown, 2)), name
