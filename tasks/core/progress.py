@@ -69,6 +69,7 @@ class Beat(BaseModel):
     step: int = 0
     node_id: str
     pid: int
+    noticed: bool = False  # a preemption notice names this worker's node: it is going away
 
 
 def log_tick(log: logging.Logger, tick: Tick) -> None:
