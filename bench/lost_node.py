@@ -161,6 +161,7 @@ def measure(checkpoint_every: int) -> None:
 
 def report(console: Console, returncode: int, killed_at: float, checkpoint_every: int) -> None:
     said = console.first(r"training worker \d failed.*|lost training worker.*", killed_at)
+    named = console.first(r"lost training worker \d's node \w+ without notice.*", killed_at)
     resumed = console.first(r"rank 0: resumed from the checkpoint at step (\d+)", killed_at)
     if returncode != 0 or said is None or resumed is None:
         sys.exit("the run did not go on after the lost node:\n" + "\n".join(line for _, line in console.lines[-60:]))
@@ -171,6 +172,8 @@ def report(console: Console, returncode: int, killed_at: float, checkpoint_every
     print("| from the kill to | seconds |")
     print("|---|---|")
     print(f"| the run saying the worker is lost | {said[0] - killed_at:.1f} |")
+    if named:
+        print(f"| the run naming the lost node ({named[1][0]}) | {named[0] - killed_at:.1f} |")
     for what, pattern in (
         ("Ray Train's new worker group started", r"Started training worker group"),
         ("rank 0's engine built", r"rank 0: engine built"),

@@ -1,8 +1,14 @@
-"""The driver's stall watch on its own clock: when a silence counts as a stall (tasks/train/watch.py)."""
+"""The driver's stall watch on its own clock: when a silence counts as a stall; the failure relay's line
+for a node lost without notice (tasks/train/watch.py)."""
 
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
+from pathlib import Path
+
+from test_cluster import ROOT
 
 from tasks.core.layout import RunStore
 from tasks.core.progress import Beat
@@ -50,3 +56,20 @@ def test_a_stall_is_judged_by_the_recent_step_time_once_steps_flow(monkeypatch, 
     assert len(reports) == 1
     heard(415 + 101, watch.TRAINING, step=104)
     assert len(reports) == 2
+
+
+def test_a_node_lost_without_notice_is_named_once_ray_marks_it_dead():
+    """A node gone without notice fails its peers' collectives first: the failure line names a survivor's
+    error, and the node is named in a second line once Ray's GCS marks it dead (a real two-node cluster,
+    in a process of its own: tests/relay_on_a_lost_node.py)."""
+    script = Path(__file__).with_name("relay_on_a_lost_node.py")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    *said, node = done.stdout.strip().splitlines()
+    ours = [line for line in said if "training worker" in line]
+    assert ours == [
+        "training worker 1 failed at step 100 (training): RuntimeError: [gloo] Read error [127.0.0.1]:5555: "
+        "Connection reset by peer; retrying from an earlier attempt's latest checkpoint, or step 0 if it left "
+        "none, attempt 2 of 2",
+        f"lost training worker 0's node {node[:8]} without notice (last heard at step 100): the cause of the failure above",
+    ]

@@ -114,7 +114,7 @@ def relayed(log: logging.Logger, watch: Callable[[dict[int, Beat]], None] | None
             line = Line.model_validate_json(taken(key))
             log.log(line.level, line.text)
         if watch is not None:
-            watch({beat.rank: beat for beat in map(Beat.model_validate_json, values(channel + BEATS))})
+            watch(beats(channel))
 
     try:
         with periodically(drain, DRAIN_EVERY_S, last=True):
@@ -185,6 +185,11 @@ def tally(channel: str, who: str, counts: BaseModel) -> None:
 def tallies(channel: str) -> list[bytes]:
     """Every worker's latest counts on the channel."""
     return values(channel + TALLIES)
+
+
+def beats(channel: str) -> dict[int, Beat]:
+    """Every worker's latest heartbeat on the channel, by rank."""
+    return {beat.rank: beat for beat in map(Beat.model_validate_json, values(channel + BEATS))}
 
 
 def last_beat(channel: str, rank: int) -> Beat | None:

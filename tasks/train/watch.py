@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -22,7 +23,7 @@ from ray.train.v2._internal.exceptions import WorkerHealthCheckFailedError
 from ray.train.v2._internal.execution.context import get_train_context
 
 from tasks.core import storage
-from tasks.core.progress import Beat, beat, last_beat, periodically, say
+from tasks.core.progress import Beat, beat, beats, last_beat, periodically, say
 from tasks.core.strict import first_line
 from tasks.train import stall
 
@@ -32,6 +33,9 @@ BEAT_EVERY_S = 1.0  # how often a worker's heartbeat is posted, when it changed
 # the next Parquet block may take many steps' time without anything being wrong.
 START_S, FLOOR_S, STEPS = 300.0, 30.0, 20
 TRAINING = "training"
+# How long a failed group's nodes are watched for Ray's verdict that one is gone: its GCS marked a node
+# SIGKILLed mid-run dead 11-13 s after (bench/lost_node.py).
+LOST_NODE_WAIT_S = 60.0
 
 
 def own(error: BaseException) -> BaseException:
@@ -98,6 +102,7 @@ class FailureRelay(UserCallback):
         preempted = [rank for rank, error in worker_exceptions.items() if self.preempted(rank, error)]
         if not preempted:
             say(self.channel, logging.WARNING, self.failed(*min(worker_exceptions.items())))
+            self.watch_for_lost_nodes()
         elif (node := self.node_of(preempted[0])) not in self.lost_nodes:
             self.lost_nodes.add(node)
             say(self.channel, logging.WARNING, self.lost(preempted[0]))
@@ -115,6 +120,30 @@ class FailureRelay(UserCallback):
         if not died.preempted and last is not None and last.noticed:
             died._preempted = True
         return died.preempted
+
+    def watch_for_lost_nodes(self) -> None:
+        """A node lost without notice fails its peers' collectives before Ray's health check finds its own
+        worker gone, so the line above names a survivor's error (gloo's 'Connection reset by peer', in
+        every run of bench/lost_node.py), and Ray's GCS says the node is dead seconds later: the lost
+        node is said then, from a thread of this controller, for as long as LOST_NODE_WAIT_S."""
+        group, gone_before = beats(self.channel), dead_nodes()
+        threading.Thread(target=self.say_lost_nodes, args=(group, gone_before), daemon=True).start()
+
+    def say_lost_nodes(self, group: dict[int, Beat], gone_before: set[str]) -> None:
+        deadline = time.monotonic() + LOST_NODE_WAIT_S
+        while time.monotonic() < deadline:
+            gone = dead_nodes() - gone_before
+            lost = [heard for heard in group.values() if heard.node_id in gone]
+            for heard in lost:
+                say(
+                    self.channel,
+                    logging.WARNING,
+                    f"lost training worker {heard.rank}'s node {heard.node_id[:8]} without notice (last heard at "
+                    f"step {heard.step}): the cause of the failure above",
+                )
+            if lost:
+                return
+            time.sleep(BEAT_EVERY_S)
 
     def node_of(self, rank: int) -> str:
         last = last_beat(self.channel, rank)
@@ -145,6 +174,11 @@ class FailureRelay(UserCallback):
         if last is None:
             return ""
         return f" at step {last.step}" + (f" ({last.phase})" if phase else "")
+
+
+def dead_nodes() -> set[str]:
+    """The nodes Ray's GCS has marked dead."""
+    return {node["NodeID"] for node in ray.nodes() if not node["Alive"]}
 
 
 class Watchdog:
