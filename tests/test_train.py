@@ -243,6 +243,7 @@ def test_a_killed_and_a_failed_worker_resume_from_the_last_checkpoint(tokenized,
     assert any(message.startswith("rank 0: resumed from the checkpoint at step 100") for _, _, message in said)
     history, curve, steps_per_epoch = trained.history, trained.curve, 2048 // 16
     assert [row.epoch for row in history] == [1, 2] and history[-1].step == 2 * steps_per_epoch
+    assert [row.rows for row in history] == [2048, 2048], "a row trained twice or skipped across the restarts"
     resumed_from = history[-1].resumed_from_step
     assert resumed_from > 0 and resumed_from % 10 == 0, "training restarted from step 0"
     assert_model_is_the_trained_engine(run_dir / "model", uris, trained.kept.validation.accuracy)

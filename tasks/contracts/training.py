@@ -90,6 +90,9 @@ class EpochRecord(BaseModel):
     # the worker group that trained since resumed_from_step (a run resumed at another size, or restarted
     # on the nodes a preemption left); None: recorded before ftflow kept it
     workers: int | None = None
+    # the split's rows trained in this epoch, across its attempts, on every worker (padding not counted):
+    # a whole epoch's are the split's rows, each once; None: recorded before ftflow counted them
+    rows: int | None = None
     train_loss: float
     val_loss: float
     val_accuracy: float | None

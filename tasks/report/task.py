@@ -151,6 +151,7 @@ def epoch_rows(training: Result) -> list[dict]:
         {
             "epoch": e.epoch,
             "step": e.step,
+            "rows": e.rows if e.rows is not None else "",
             "train loss": round(e.train_loss, 4),
             "val loss": round(e.val_loss, 4),
             **({"val accuracy": round(e.val_accuracy, 4)} if e.val_accuracy is not None else {}),

@@ -60,6 +60,7 @@ class Progress(BaseModel):
     step: int = 0  # optimizer steps taken
     epoch: int = 0  # epochs completed
     batches_done: int = 0  # micro-batches of the next epoch already trained
+    rows_done: int = 0  # the split's rows those micro-batches held, on every worker (padding not counted)
     world_size: int | None = None  # the workers that trained it (None: saved before ftflow recorded it)
     history: list[EpochRecord] = []
     curve: Curve = Curve()

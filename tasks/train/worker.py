@@ -126,6 +126,7 @@ class EpochStats:
     done: int
     loss_sum: torch.Tensor  # of the micro-batches trained, on the device: no sync per batch
     trained: int = 0
+    rows: int = 0  # the split's rows trained here (padding not counted)
     samples: int = 0
     paused: float = 0.0
     first_done: float = field(default_factory=time.perf_counter)
@@ -194,7 +195,7 @@ class Recipe:
                 if self.replica.leads:
                     self.meter.add(loss, logits, labels, rows)
                 stats.loss_sum += loss.detach().float()
-            stats.done, stats.trained = stats.done + 1, stats.trained + 1
+            stats.done, stats.trained, stats.rows = stats.done + 1, stats.trained + 1, stats.rows + real
             if stats.trained == 1:
                 stats.first_done, self.marks.first_step = time.perf_counter(), self.marks.first_step or time.time()
             else:
@@ -235,9 +236,17 @@ class Recipe:
         """A mid-epoch checkpoint, its seconds kept."""
         self.pulse("checkpointing", self.engine.global_steps)
         saving_from = time.perf_counter()
-        mid_epoch = self.progress.model_copy(update={"epoch": epoch, "batches_done": stats.done}, deep=True)
+        mid_epoch = self.progress.model_copy(
+            update={"epoch": epoch, "batches_done": stats.done, "rows_done": self.rows_done(stats)}, deep=True
+        )
         save(self.engine, mid_epoch, metrics)
         stats.checkpoint_seconds.append(time.perf_counter() - saving_from)
+
+    def rows_done(self, stats: EpochStats) -> int:
+        """The split's rows trained in this epoch so far, on every worker: before the resume, and since."""
+        rows = torch.tensor([stats.rows], dtype=torch.float64, device=self.device)
+        dist.all_reduce(rows)
+        return self.progress.rows_done + int(rows.item())
 
     def validate(self, position: float) -> None:
         self.pulse("validating", self.engine.global_steps)
@@ -260,8 +269,13 @@ class Recipe:
         if not validation or validation[-1].step != self.engine.global_steps:  # early stopping has just validated
             self.validate(epoch + stats.done / self.spec.batches_per_epoch)
         self.progress.history.append(self.epoch_record(epoch, stats))
+        rows_done = self.progress.history[-1].rows
         self.progress = self.progress.model_copy(
-            update={"epoch": epoch + 1 if whole else epoch, "batches_done": 0 if whole else stats.done}
+            update={
+                "epoch": epoch + 1 if whole else epoch,
+                "batches_done": 0 if whole else stats.done,
+                "rows_done": 0 if whole else rows_done,
+            }
         )
         self.pulse("checkpointing", self.engine.global_steps)
         record = self.progress.history[-1]
@@ -271,7 +285,7 @@ class Recipe:
     def epoch_record(self, epoch: int, stats: EpochStats) -> EpochRecord:
         elapsed = time.perf_counter() - stats.first_done - stats.paused
         totals = torch.tensor(
-            [stats.loss_sum.item(), stats.trained, stats.samples], dtype=torch.float64, device=self.device
+            [stats.loss_sum.item(), stats.trained, stats.samples, stats.rows], dtype=torch.float64, device=self.device
         )
         dist.all_reduce(totals)
         validation = self.progress.curve.validation[-1]
@@ -280,6 +294,7 @@ class Recipe:
             step=self.engine.global_steps,
             resumed_from_step=self.resumed_from,
             workers=dist.get_world_size(),
+            rows=self.progress.rows_done + int(totals[3].item()),
             train_loss=totals[0].item() / max(totals[1].item(), 1),
             val_loss=validation.loss,
             val_accuracy=validation.accuracy,
