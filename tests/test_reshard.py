@@ -138,20 +138,18 @@ def test_a_checkpoint_of_2_workers_resumes_at_1_and_at_4_with_its_optimizer_mome
             assert resumed["steps"] == saved["steps"] == {3}, f"{name} at {size} worker(s)"
 
 
-def test_a_checkpoint_goes_on_at_another_world_size_only_from_an_epochs_end_and_unsplit():
-    """A mid-epoch checkpoint's data position is how far each worker read into its own part of the
-    epoch; a tensor-parallel run's is not re-partitioned. An epoch's end goes on anywhere, and so does a
-    checkpoint from before ftflow recorded its world size."""
-    mid_epoch, plain = Progress(step=135, epoch=1, batches_done=7, world_size=2), TrainConfig()
+def test_a_checkpoint_goes_on_at_another_world_size_unless_tensor_or_pipeline_parallel():
+    """A data-parallel checkpoint goes on at any number of workers, mid-epoch too (its epoch's trained rows
+    are kept beside it: tasks/train/passes.py); a tensor-parallel run's is not re-partitioned, nor is a
+    pipeline's. A checkpoint from before ftflow recorded its world size goes on anywhere."""
+    mid_epoch, plain = Progress(step=135, epoch=1, rows_done=7 * 32, world_size=2), TrainConfig()
     assert resume_refused(mid_epoch, 2, plain) is None
-    assert resume_refused(mid_epoch, 4, plain) == (
-        "the checkpoint at step 135 was taken by 2 worker(s), and this run has 4, mid-epoch: resume it with "
-        "num_workers=2, or from a checkpoint at an epoch's end"
-    )
-    epoch_end = mid_epoch.model_copy(update={"step": 128, "batches_done": 0})
-    assert resume_refused(epoch_end, 4, plain) is None
-    assert resume_refused(epoch_end, 4, TrainConfig(tensor_parallel_size=2)) == (
-        "the checkpoint at step 128 was taken by 2 worker(s), and this run has 4: a tensor_parallel_size=2 run "
+    assert resume_refused(mid_epoch, 4, plain) is None
+    assert resume_refused(mid_epoch, 4, TrainConfig(tensor_parallel_size=2)) == (
+        "the checkpoint at step 135 was taken by 2 worker(s), and this run has 4: a tensor_parallel_size=2 run "
         "resumes with num_workers=2"
+    )
+    assert resume_refused(mid_epoch, 1, TrainConfig(pipeline_parallel_size=2)).endswith(
+        "a pipeline_parallel_size=2 run resumes with num_workers=2"
     )
     assert resume_refused(mid_epoch.model_copy(update={"world_size": None}), 4, plain) is None

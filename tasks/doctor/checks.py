@@ -191,6 +191,8 @@ def step_checks() -> list[Check]:
         init="random",
         targets=DataConfig().targets,
         max_length=SEQUENCE_LENGTH,
+        train_uri="",  # the one step's rows are made in the worker
+        train_rows=1,
         batches_per_epoch=1,
         max_steps=1,
         model_uri="",

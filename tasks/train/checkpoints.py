@@ -11,6 +11,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import ray
 import ray.train
 import torch
@@ -23,20 +24,24 @@ from tasks.core.progress import say
 from tasks.core.train_config import TrainConfig
 from tasks.train.engine import loaded, precision_of
 from tasks.train.lora import merged
+from tasks.train.passes import TRAINED_FILE, saved_keys
 from tasks.train.replica import Replica
 from tasks.train.reshard import TAG, load_resharded, needs_resharding
 from tasks.train.resumable import PROGRESS_FILE
 from tasks.train.spec import Progress, WorkerSpec
 
 
-def save(engine, progress: Progress, metrics: dict) -> None:
+def save(engine, progress: Progress, metrics: dict, trained: np.ndarray | None = None) -> None:
     """Report a checkpoint from every rank: each writes its own ZeRO shards of the DeepSpeed engine
-    state and Ray gathers them into one checkpoint; rank 0 adds the progress."""
+    state and Ray gathers them into one checkpoint; rank 0 adds the progress, and mid-epoch the keys of
+    the rows the epoch has trained (`trained`, tasks/train/passes.py)."""
     progress = progress.model_copy(update={"step": engine.global_steps, "world_size": dist.get_world_size()})
     with tempfile.TemporaryDirectory() as folder:
         engine.save_checkpoint(folder, tag=TAG, exclude_frozen_parameters=partly_frozen(engine))
         if dist.get_rank() == 0:
             Path(folder, PROGRESS_FILE).write_text(progress.model_dump_json())
+            if trained is not None:
+                np.save(Path(folder, TRAINED_FILE), trained)
         ray.train.report(metrics, checkpoint=Checkpoint.from_directory(folder))
 
 
@@ -57,17 +62,18 @@ def restore(engine, folder: str) -> dict:
     return engine.load_checkpoint(folder, tag=TAG, load_module_strict=strict)[1]
 
 
-def resume(engine, channel: str | None) -> Progress:
+def resume(engine, channel: str | None) -> tuple[Progress, np.ndarray]:
     """Load the latest checkpoint Ray Train holds for this run (after a worker failure, a task
-    retry or a re-run with the same run id) and return its progress, or the start of training. One
-    that cannot go on at this world size was refused by the driver (tasks/train/resumable.py)."""
+    retry or a re-run with the same run id) and return its progress, or the start of training, and
+    the keys of the rows its epoch had trained. One that cannot go on at this world size was refused by
+    the driver (tasks/train/resumable.py)."""
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is None:
-        return Progress()
+        return Progress(), np.zeros(0, dtype=np.int64)
     with checkpoint.as_directory() as folder:
         saved = Path(folder, PROGRESS_FILE)
         progress = Progress.model_validate_json(saved.read_text()) if saved.exists() else None
-        client_state = restore(engine, folder)
+        client_state, trained = restore(engine, folder), saved_keys(folder)
     # Checkpoints saved before ftflow wrote PROGRESS_FILE kept it in DeepSpeed's client state.
     progress = progress or Progress.model_validate(client_state["progress"])
     if dist.get_rank() == 0 and channel is not None:
@@ -75,9 +81,9 @@ def resume(engine, channel: str | None) -> Progress:
             channel,
             logging.INFO,
             f"rank 0: resumed from the checkpoint at step {engine.global_steps}: epoch {progress.epoch + 1}, "
-            f"micro-batch {progress.batches_done}",
+            f"{progress.rows_done} of its rows trained",
         )
-    return progress
+    return progress, trained
 
 
 def export(replica: Replica, tokenizer, spec: WorkerSpec, result: Result) -> None:

@@ -114,6 +114,8 @@ def worker_spec(job: TrainingJob, cfg: TrainConfig, the_plan: Plan, train_count:
         init=model.init,
         targets=job.targets,
         max_length=model.max_length,
+        train_uri=shards.train,
+        train_rows=train_count,
         batches_per_epoch=batches_per_epoch,
         max_steps=max_steps,
         model_uri=job.store.model_dir,

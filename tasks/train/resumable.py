@@ -24,18 +24,12 @@ def latest_progress(train_dir: str) -> Progress | None:
 
 
 def resume_refused(progress: Progress, world_size: int, cfg: TrainConfig) -> str | None:
-    """Why a checkpoint cannot go on at this world size, if it cannot. One taken mid-epoch holds how far
-    each of its workers read into its own part of the epoch, and another number of workers splits the
-    epoch into other parts, so rows would be trained twice or never; at an epoch's end it goes on. A
-    tensor- or pipeline-parallel one is not re-partitioned (tasks/train/reshard.py)."""
-    if progress.world_size in (None, world_size):
+    """Why a checkpoint cannot go on at this world size, if it cannot: a tensor- or pipeline-parallel one
+    is not re-partitioned (tasks/train/reshard.py). A data-parallel one goes on at any, mid-epoch too
+    (tasks/train/passes.py)."""
+    if progress.world_size in (None, world_size) or cfg.model_parallel == 1:
         return None
-    taken = (
-        f"the checkpoint at step {progress.step} was taken by {progress.world_size} worker(s), "
-        f"and this run has {world_size}"
+    return (
+        f"the checkpoint at step {progress.step} was taken by {progress.world_size} worker(s), and this run has "
+        f"{world_size}: a {cfg.split_field}={cfg.model_parallel} run resumes with num_workers={progress.world_size}"
     )
-    if cfg.model_parallel > 1:
-        return f"{taken}: a {cfg.split_field}={cfg.model_parallel} run resumes with num_workers={progress.world_size}"
-    if progress.batches_done:
-        return f"{taken}, mid-epoch: resume it with num_workers={progress.world_size}, or from a checkpoint at an epoch's end"
-    return None

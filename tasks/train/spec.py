@@ -41,6 +41,10 @@ class WorkerSpec(BaseModel):
     init: ModelInit  # the model's weights: the saved ones, or drawn from its config (ModelConfig.init)
     targets: Targets  # what the model outputs: classes, labels or numbers
     max_length: int
+    train_uri: (
+        str  # the training split's shards (read by a worker itself for the rest of an epoch: tasks/train/passes.py)
+    )
+    train_rows: int  # the training split's rows (a long text's windows each counted)
     batches_per_epoch: int  # micro-batches per worker and epoch, the same on every worker
     max_steps: int  # optimizer steps of the whole run
     model_uri: str  # where rank 0 writes the consolidated model
@@ -59,8 +63,9 @@ class Progress(BaseModel):
 
     step: int = 0  # optimizer steps taken
     epoch: int = 0  # epochs completed
-    batches_done: int = 0  # micro-batches of the next epoch already trained
-    rows_done: int = 0  # the split's rows those micro-batches held, on every worker (padding not counted)
+    # the split's rows of the next epoch already trained, on every worker (padding not counted); their
+    # keys are beside it (tasks/train/passes.py), so the epoch goes on at any number of workers
+    rows_done: int = 0
     world_size: int | None = None  # the workers that trained it (None: saved before ftflow recorded it)
     history: list[EpochRecord] = []
     curve: Curve = Curve()

@@ -17,7 +17,6 @@ from collections.abc import Iterator
 from concurrent.futures import Future
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from itertools import islice
 
 import ray
 import ray.train
@@ -41,6 +40,7 @@ from tasks.train.checkpoints import CheckpointPolicy, export, restore, resume, s
 from tasks.train.engine import engine_line, setup
 from tasks.train.evaluation import predicted
 from tasks.train.lora import parameter_counts
+from tasks.train.passes import EpochPass, TrainedRows, rest_of_epoch
 from tasks.train.preemption import Notice, described
 from tasks.train.replica import on
 from tasks.train.spec import WorkerSpec
@@ -119,9 +119,9 @@ def train_worker(spec: WorkerSpec, first_epoch: Future[Iterator[dict]] | None = 
 
 @dataclass
 class EpochStats:
-    """One epoch's pass: micro-batches done (of the epoch, a resumed run's skipped ones included) and
-    trained here, rows after the first micro-batch, and time: from the first micro-batch's end, less
-    evaluations and checkpoints, for a steady samples/s."""
+    """One epoch's pass (tasks/train/passes.py): micro-batches done and the split's rows trained here,
+    rows after the first micro-batch, and time: from the first micro-batch's end, less evaluations and
+    checkpoints, for a steady samples/s."""
 
     done: int
     loss_sum: torch.Tensor  # of the micro-batches trained, on the device: no sync per batch
@@ -139,9 +139,9 @@ class Recipe:
     the model.
 
     Resume: the engine state and the progress come from the last checkpoint; a checkpoint taken
-    mid-epoch continues that epoch, reading its first `batches_done` micro-batches again (the same
-    ones: the order follows from the seed) and skipping them without computing on them. Nothing is
-    trained twice; the dropout masks after the resume differ from an uninterrupted run's.
+    mid-epoch continues that epoch with the rows it had not trained, at any number of workers
+    (tasks/train/passes.py). Nothing is trained twice; the dropout masks after the resume differ from an
+    uninterrupted run's.
     """
 
     def __init__(self, spec: WorkerSpec, channel: str | None, pulse: Pulse):
@@ -153,7 +153,7 @@ class Recipe:
         if self.leader:
             say(channel, logging.INFO, engine_line(self.engine, self.device, time.perf_counter() - self.started))
         pulse("resuming")
-        self.progress, self.policy = resume(self.engine, channel), CheckpointPolicy(spec.train)
+        (self.progress, self.resumed_keys), self.policy = resume(self.engine, channel), CheckpointPolicy(spec.train)
         self.start_epoch, self.resumed_from = self.progress.epoch, self.engine.global_steps
         self.pad_id, self.meter, self.pin = (
             self.tokenizer.pad_token_id,
@@ -174,20 +174,32 @@ class Recipe:
         for epoch in range(self.progress.epoch, self.cfg.epochs):
             if self.engine.global_steps >= self.spec.max_steps or self.policy.patience_spent(self.progress.curve):
                 break
-            fresh = first_epoch is not None and epoch == 0  # its rows already being read
-            rows = first_epoch.result() if fresh else drawn(self.spec.plan.micro_batch, self.cfg, epoch)
-            stats = self.train_epoch(epoch, rows)
+            stats = self.train_epoch(epoch, self.epoch_rows(epoch, first_epoch))
             self.end_epoch(epoch, stats)
         self.finish()
 
+    def epoch_rows(self, epoch: int, first_epoch: Future[Iterator[dict]] | None) -> Iterator[dict]:
+        """The epoch's rows for this worker: after a mid-epoch checkpoint the rest of them, else its part of
+        the whole epoch from Ray Train's split (`first_epoch`'s, already being read, for the first)."""
+        spec, micro = self.spec, self.spec.plan.micro_batch
+        if self.progress.rows_done and epoch == self.progress.epoch:
+            self.epoch_pass = EpochPass.rest(self.progress.rows_done, spec.train_rows, dist.get_world_size(), micro)
+            self.trained = TrainedRows(self.resumed_keys)
+            return rest_of_epoch(spec.train_uri, self.resumed_keys, self.epoch_pass, micro, self.cfg.seed, epoch)
+        self.epoch_pass = EpochPass(0, spec.train_rows, spec.batches_per_epoch)
+        self.trained = TrainedRows(self.resumed_keys[:0])
+        fresh = first_epoch is not None and epoch == 0  # its rows already being read
+        return first_epoch.result() if fresh else drawn(micro, self.cfg, epoch)
+
     def train_epoch(self, epoch: int, rows: Iterator[dict]) -> EpochStats:
-        """One epoch's micro-batches (a resumed epoch's done ones skipped), with the triggers of each step."""
+        """One epoch's pass of micro-batches, with the triggers of each step."""
         self.engine.train()
-        stats = EpochStats(done=self.progress.batches_done, loss_sum=torch.zeros((), device=self.device))
+        stats = EpochStats(done=0, loss_sum=torch.zeros((), device=self.device))
         self.pulse("waiting for the first batch", self.engine.global_steps)
-        for batch in islice(training_batches(rows, self.cfg, self.pad_id, epoch, pin=self.pin), stats.done, None):
+        for batch in training_batches(rows, self.cfg, self.pad_id, epoch, pin=self.pin):
             self.marks.first_batch = self.marks.first_batch or time.time()
             real = int((batch["row"] >= 0).sum())  # this worker's rows, before its replica joins them
+            self.trained.add(batch)
             steps_before = self.engine.global_steps
             for loss, logits, labels, rows in self.replica.train(
                 self.replica.join(batch, self.pad_id), self.device, self.cfg.activation_offload, self.no_sync
@@ -208,14 +220,14 @@ class Recipe:
         """An optimizer step's triggers: log, validate, checkpoint (the epoch's end does its own);
         True once training should stop (max_steps, or early stopping)."""
         step, pause_from, policy = self.engine.global_steps, time.perf_counter(), self.policy
-        position, curve = epoch + stats.done / self.spec.batches_per_epoch, self.progress.curve
+        position, curve = epoch + self.epoch_pass.position(stats.done), self.progress.curve
         self.marks.last_step = time.time()
         self.pulse(TRAINING, step)
         if step % self.cfg.log_every_steps == 0:
             curve.train.append(self.meter.point(step, position))
             if self.leader:
                 post(self.channel, tick(curve.train[-1], self.spec.max_steps, self.meter.rows_per_s))
-        last = stats.done == self.spec.batches_per_epoch or step >= self.spec.max_steps
+        last = stats.done == self.epoch_pass.batches or step >= self.spec.max_steps
         validated = policy.validates(step, last)
         if validated:
             self.validate(position)
@@ -236,10 +248,8 @@ class Recipe:
         """A mid-epoch checkpoint, its seconds kept."""
         self.pulse("checkpointing", self.engine.global_steps)
         saving_from = time.perf_counter()
-        mid_epoch = self.progress.model_copy(
-            update={"epoch": epoch, "batches_done": stats.done, "rows_done": self.rows_done(stats)}, deep=True
-        )
-        save(self.engine, mid_epoch, metrics)
+        mid_epoch = self.progress.model_copy(update={"epoch": epoch, "rows_done": self.rows_done(stats)}, deep=True)
+        save(self.engine, mid_epoch, metrics, self.trained.gathered())
         stats.checkpoint_seconds.append(time.perf_counter() - saving_from)
 
     def rows_done(self, stats: EpochStats) -> int:
@@ -265,22 +275,17 @@ class Recipe:
 
     def end_epoch(self, epoch: int, stats: EpochStats) -> None:
         """Validate, record the epoch, and checkpoint where it ended (mid-epoch when max_steps did)."""
-        whole, validation = stats.done == self.spec.batches_per_epoch, self.progress.curve.validation
+        whole, validation = stats.done == self.epoch_pass.batches, self.progress.curve.validation
         if not validation or validation[-1].step != self.engine.global_steps:  # early stopping has just validated
-            self.validate(epoch + stats.done / self.spec.batches_per_epoch)
+            self.validate(epoch + self.epoch_pass.position(stats.done))
         self.progress.history.append(self.epoch_record(epoch, stats))
-        rows_done = self.progress.history[-1].rows
+        record = self.progress.history[-1]
         self.progress = self.progress.model_copy(
-            update={
-                "epoch": epoch + 1 if whole else epoch,
-                "batches_done": 0 if whole else stats.done,
-                "rows_done": 0 if whole else rows_done,
-            }
+            update={"epoch": epoch + 1 if whole else epoch, "rows_done": 0 if whole else record.rows}
         )
         self.pulse("checkpointing", self.engine.global_steps)
-        record = self.progress.history[-1]
         reported = self.policy.reported(self.progress.curve, self.engine.global_steps, record.epoch, validated=True)
-        save(self.engine, self.progress, reported | record.model_dump())
+        save(self.engine, self.progress, reported | record.model_dump(), None if whole else self.trained.gathered())
 
     def epoch_record(self, epoch: int, stats: EpochStats) -> EpochRecord:
         elapsed = time.perf_counter() - stats.first_done - stats.paused
@@ -290,7 +295,7 @@ class Recipe:
         dist.all_reduce(totals)
         validation = self.progress.curve.validation[-1]
         return EpochRecord(
-            epoch=round(epoch + stats.done / self.spec.batches_per_epoch, 4),
+            epoch=round(epoch + self.epoch_pass.position(stats.done), 4),
             step=self.engine.global_steps,
             resumed_from_step=self.resumed_from,
             workers=dist.get_world_size(),
