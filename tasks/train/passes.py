@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from tasks.contracts.shards import SHARD_COLUMNS
 from tasks.core import storage
+from tasks.train.batches import rows_of
 from tasks.train.ingest import padding_rows
 
 TRAINED_FILE = "trained_rows.npy"  # the keys of the rows the checkpoint's epoch has trained
@@ -133,6 +134,6 @@ def whole_batches(held: list, micro_batch: int, last: bool = False) -> Iterator[
     (or is the last, shorter one)."""
     table = pa.Table.from_batches(held) if held else None
     while table is not None and (table.num_rows >= micro_batch or (last and table.num_rows)):
-        first, table = table.slice(0, micro_batch), table.slice(micro_batch)
-        yield {name: first.column(name).to_numpy() for name in first.column_names}
+        first, table = rows_of(table, micro_batch)
+        yield first
     held[:] = table.to_batches() if table is not None and table.num_rows else []

@@ -41,9 +41,7 @@ class WorkerSpec(BaseModel):
     init: ModelInit  # the model's weights: the saved ones, or drawn from its config (ModelConfig.init)
     targets: Targets  # what the model outputs: classes, labels or numbers
     max_length: int
-    train_uri: (
-        str  # the training split's shards (read by a worker itself for the rest of an epoch: tasks/train/passes.py)
-    )
+    train_uri: str  # the training split's shards (a worker reads the rest of an epoch itself: passes.py)
     train_rows: int  # the training split's rows (a long text's windows each counted)
     batches_per_epoch: int  # micro-batches per worker and epoch, the same on every worker
     max_steps: int  # optimizer steps of the whole run
