@@ -144,7 +144,7 @@ else
   timeout -s INT -k 10 "$t" python3 -m ftflow.cli infer "$m" /tmp/corpus /tmp/preds --device gpu --batch-size 256 > "$O/infer.txt" 2>&1
   rc=$?; secs=$(( $(date +%s) - t1 )); quiet "$O/infer.txt" | tail -6
   result "RESULT ftflow infer, batch 256: $(grep -oP '^rows/s:\s*\K[\d,]+' "$O/infer.txt" || echo '-') rows/s (its job), 100,000 rows, $secs s wall with start-up, exit $rc"
-  stop_ray; t=$(allow 60 0)
+  stop_ray; t=$(allow 90 0)  # infer_base.py: no-cudnn, then torch's default
   if (( t >= 20 )); then timeout -k 5 "$t" python3 bench/gpu/infer_base.py "$m" /tmp/corpus 2>&1 | grep "^RESULT" | tee -a "$RES"
   else result "RESULT plain GPU inference loop: skipped, $(( DEADLINE - $(el) )) s left"; fi
 fi
