@@ -67,6 +67,7 @@ def test_a_range_of_workers_goes_on_with_fewer_when_a_node_is_lost(tiny_model, s
     assert "the global batch is" not in said, "1 worker keeps the global batch: micro-batch 16 x accumulation 2"
     run_dir = re.search(r"artifacts: +(\S+)", said)[1]
     history = storage.read_json(storage.join(run_dir, "manifest.json"))["metrics"]["training"]["history"]
-    # on 1 worker from step 30, the same 64 steps an epoch; every row of each epoch once
-    summary = [(row["step"], row["resumed_from_step"], row["workers"], row["rows"]) for row in history]
-    assert summary == [(64, 30, 1, 2048), (128, 30, 1, 2048)]
+    # Every row of each epoch once; the run ends on the 1 worker the cluster has room for beside Ray Data's
+    # split. (Its restart right after the kill may still take 2, before Ray's GCS has marked the node dead:
+    # the policy then resizes to 1 once it has.)
+    assert [row["rows"] for row in history] == [2048, 2048] and history[-1]["workers"] == 1, history
