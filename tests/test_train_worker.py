@@ -15,7 +15,7 @@ from tasks.contracts.shards import shard_schema
 from tasks.core.targets import Targets
 from tasks.core.train_config import TrainConfig
 from tasks.train.batches import training_batches
-from tasks.train.ingest import data_config, split
+from tasks.train.ingest import EqualParts, split
 from tasks.train.stream import drawn
 
 
@@ -53,11 +53,11 @@ def test_every_worker_gets_equal_micro_batches_and_every_row_once_per_epoch(ray_
         ]
         (seen / f"{rank}.json").write_text(json.dumps(epochs))
 
-    stream, count = split(str(folder), 3)
+    stream, count, a_row = split(str(folder))
     TorchTrainer(
         record,
         datasets={"train": stream.random_shuffle(seed=7)},
-        dataset_config=data_config(),
+        dataset_config=EqualParts(count, a_row),
         scaling_config=ScalingConfig(num_workers=3, resources_per_worker={"CPU": 0.5}),
         torch_config=TorchConfig(backend="gloo"),
         run_config=RunConfig(storage_path=str(tmp_path / "ray")),

@@ -53,11 +53,15 @@ class Lora(Strict):
 class TrainConfig(Strict):
     """Training, with every DeepSpeed memory and speed feature; tasks/train/driver.py derives the DeepSpeed JSON."""
 
-    num_workers: int | None = Field(
+    num_workers: int | tuple[int, int] | None = Field(
         None,
-        ge=1,
         description="Ray Train workers, a request the cluster is asked to satisfy (an autoscaler "
-        "adds nodes for it); default: one per GPU, else one per cpus_per_worker CPUs, it has now.",
+        "adds nodes for it); default: one per GPU, else one per cpus_per_worker CPUs, it has now. A range "
+        "[min, max]: elastic, the run starts once min are placed, goes on with fewer when a node is lost and "
+        "grows toward max as nodes come, each time from the latest checkpoint, with the same global batch.",
+    )
+    grow_every_s: float = Field(
+        60, gt=0, description="With a range of num_workers: how often the run looks for room to grow (Ray's 60 s)."
     )
     device: Device = Field("auto", description=DEVICE)
     cpus_per_worker: float | None = Field(
@@ -260,9 +264,31 @@ class TrainConfig(Strict):
     @model_validator(mode="after")
     def _split(self) -> TrainConfig:
         # Given num_workers, the parameters alone decide it: refused here, in a second, not by the plan.
+        if isinstance(self.num_workers, tuple):
+            return self._range()
+        if self.num_workers is not None and self.num_workers < 1:
+            raise ValueError(f"num_workers={self.num_workers}: at least 1")
         if self.num_workers and (error := self.split_error(self.num_workers)):
             raise ValueError(error)
         return self
+
+    def _range(self) -> TrainConfig:
+        low, high = self.num_workers
+        if not 1 <= low <= high:
+            raise ValueError(f"num_workers=[{low}, {high}]: a range is [min, max] with 1 <= min <= max")
+        if self.model_parallel > 1:
+            raise ValueError(
+                f"num_workers=[{low}, {high}] with {self.split_field}={self.model_parallel}: a range grows and shrinks "
+                "by single workers, not whole model-parallel groups; give a fixed num_workers"
+            )
+        if error := self.split_error(high):
+            raise ValueError(error)
+        return self
+
+    @property
+    def most_workers(self) -> int | None:
+        """num_workers, or the top of its range."""
+        return self.num_workers[1] if isinstance(self.num_workers, tuple) else self.num_workers
 
     @property
     def model_parallel(self) -> int:

@@ -38,7 +38,7 @@ from tasks.core.progress import relayed
 from tasks.core.train_config import TrainConfig
 from tasks.train.deepspeed_json import deepspeed_config
 from tasks.train.entry import train_worker
-from tasks.train.ingest import data_config, split
+from tasks.train.ingest import EqualParts, split
 from tasks.train.plan import cpu_has_native_bf16, planned
 from tasks.train.resumable import latest_progress, resume_refused
 from tasks.train.spec import Plan, WorkerSpec
@@ -71,12 +71,13 @@ def trained(logger: logging.Logger, job: TrainingJob, callbacks: tuple[UserCallb
         raise ValueError(refused)
     if choice:
         logger.info("strategy=auto: %s", choice.reason)
-    train_rows, train_count = split(job.shards.train, the_plan.workers)
+    train_rows, train_count, a_row = split(job.shards.train)
     spec = worker_spec(job, cfg, the_plan, train_count)
     say_plan(logger, spec)
     # The workers' ticks, lines and heartbeats, while training runs; a stall is reported under the run.
     with relayed(logger, Watchdog(logger, job.store.stall, cfg.stall_warning_s)) as channel:
-        trainer = build_trainer(spec, channel, train_rows.random_shuffle(seed=cfg.seed), job.store, callbacks)
+        ingest = EqualParts(train_count, a_row)
+        trainer = build_trainer(spec, channel, train_rows.random_shuffle(seed=cfg.seed), ingest, job.store, callbacks)
         ray_train_settings(spec)
         run(trainer, spec, job.store.train_dir)
     result = Result.model_validate(storage.read_json(storage.join(job.store.model_dir, STATE_FILE)))
@@ -134,7 +135,12 @@ def say_plan(logger: logging.Logger, spec: WorkerSpec) -> None:
 
 
 def build_trainer(
-    spec: WorkerSpec, channel: str, train_rows, store: RunStore, callbacks: tuple[UserCallback, ...] = ()
+    spec: WorkerSpec,
+    channel: str,
+    train_rows,
+    ingest: EqualParts,
+    store: RunStore,
+    callbacks: tuple[UserCallback, ...] = (),
 ) -> Trainer:
     """Ray Train's trainer for the spec: its workers, their process group, the stream, checkpoints."""
     cfg, the_plan = spec.train, spec.plan
@@ -142,9 +148,10 @@ def build_trainer(
     return Trainer(
         partial(train_worker, spec.model_copy(update={"channel": channel})),
         datasets={"train": train_rows},
-        dataset_config=data_config(),
+        dataset_config=ingest,
         scaling_config=ScalingConfig(
-            num_workers=the_plan.workers,
+            num_workers=cfg.num_workers if isinstance(cfg.num_workers, tuple) else the_plan.workers,
+            elastic_resize_monitor_interval_s=cfg.grow_every_s,
             use_gpu=the_plan.use_gpu,
             resources_per_worker={"CPU": the_plan.cpus_per_worker},
             label_selector=cluster.groups_on_nodes(

@@ -34,22 +34,16 @@ def parquet_reader_v1() -> Iterator[None]:
         context.use_datasource_v2 = v2
 
 
-def split(uri: str, workers: int) -> tuple[ray.data.Dataset, int]:
-    """A tokenized split as a lazy Ray Data stream of its Parquet shards, padded with copies of a row
-    numbered -1, which count for nothing (tasks/core/objective.py), to a multiple of the workers: Ray
-    Train's equal split would otherwise drop the remainder, and an unequal one leaves a worker's
-    collectives waiting. Returns it with its real row count, from the Parquet footers (Ray Data's
-    count() runs a pipeline: 1.8 s of the main job's start, for the same 8530 rows)."""
+def split(uri: str) -> tuple[ray.data.Dataset, int, pa.Table]:
+    """A tokenized split as a lazy Ray Data stream of its Parquet shards, with its real row count, from
+    the Parquet footers (Ray Data's count() runs a pipeline: 1.8 s of the main job's start, for the same
+    8530 rows), and one of its rows, to pad it with (EqualParts)."""
     path, filesystem = storage.pyarrow_filesystem(uri)
     with parquet_reader_v1():
         rows = ray.data.read_parquet(path, filesystem=filesystem, file_extensions=["parquet"])
     rows.context.target_max_block_size = BLOCK_BYTES  # this stream's context: the read and the shuffle after it
     shards = pyarrow.dataset.dataset(path, filesystem=filesystem, format="parquet")
-    count = shards.count_rows()
-    padding = -count % workers
-    if padding:
-        rows = rows.union(ray.data.from_arrow(padding_rows(shards.head(1), padding)))
-    return rows, count
+    return rows, shards.count_rows(), shards.head(1)
 
 
 def padding_rows(row: pa.Table, count: int) -> pa.Table:
@@ -58,9 +52,24 @@ def padding_rows(row: pa.Table, count: int) -> pa.Table:
     return copies.set_column(copies.schema.get_field_index("row"), "row", pa.array([-1] * count, pa.int64()))
 
 
-def data_config() -> DataConfig:
-    """Ray Train's ingest with the blocks kept in order, so that the split each worker gets, and so
-    the order of every epoch, follows from the seed alone (Ray hands blocks out as they come)."""
-    options = DataConfig.default_ingest_options()
-    options.preserve_order = True
-    return DataConfig(execution_options=options)
+class EqualParts(DataConfig):
+    """Ray Train's ingest with the blocks kept in order, so that the split each worker gets, and so the
+    order of every epoch, follows from the seed alone (Ray hands blocks out as they come); the training
+    split padded with copies of a row numbered -1, which count for nothing (tasks/core/objective.py), to
+    a multiple of the workers: Ray Train's equal split would otherwise drop the remainder, and an unequal
+    one leaves a worker's collectives waiting. Padded here, where Ray Train splits it for each worker
+    group, because a range of num_workers starts groups of several sizes."""
+
+    def __init__(self, rows: int, row: pa.Table):
+        options = DataConfig.default_ingest_options()
+        options.preserve_order = True
+        super().__init__(execution_options=options)
+        self.rows, self.row = rows, row
+
+    def configure(self, datasets: dict, world_size: int, *args, **kwargs) -> list[dict]:
+        if padding := -self.rows % world_size:
+            datasets = {
+                name: rows.union(ray.data.from_arrow(padding_rows(self.row, padding)))
+                for name, rows in datasets.items()
+            }
+        return super().configure(datasets, world_size, *args, **kwargs)

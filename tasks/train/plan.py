@@ -28,14 +28,21 @@ def worker_cpus(cfg: TrainConfig, resources: cluster.Resources, use_gpu: bool) -
     the slower worker."""
     if cfg.cpus_per_worker or use_gpu or resources.can_grow or resources.node_cpus < resources.cpus:
         return cfg.cpus_per_worker or 1
-    return max(1, int(min(resources.cpus, resources.node_cpus) // (cfg.num_workers or cfg.model_parallel)))
+    return max(1, int(min(resources.cpus, resources.node_cpus) // (cfg.most_workers or cfg.model_parallel)))
 
 
 def plan_of(cfg: TrainConfig, resources: cluster.Resources) -> Plan:
-    """Resolve device, workers, micro-batch, accumulation and precision, or say what to change."""
+    """Resolve device, workers, micro-batch, accumulation and precision, or say what to change. With a
+    range of workers, the plan is for the most; the fewest must fit now or once the cluster grows, and a
+    worker group of another size plans itself (Plan.at)."""
     use_gpu = resources.use_gpu(cfg.device)
     cpus_per_worker = worker_cpus(cfg, resources, use_gpu)
-    workers, group = resources.training_workers(cfg.num_workers, cpus_per_worker, use_gpu), cfg.model_parallel
+    if isinstance(cfg.num_workers, tuple):
+        resources.training_workers(cfg.num_workers[0], cpus_per_worker, use_gpu)  # the fewest fit, or will
+        workers = cfg.num_workers[1]
+    else:
+        workers = resources.training_workers(cfg.num_workers, cpus_per_worker, use_gpu)
+    group = cfg.model_parallel
     if cfg.num_workers is None:
         fits, workers = workers, max(group, workers - workers % group)  # whole groups
         if workers > fits and not resources.can_grow:

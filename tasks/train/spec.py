@@ -4,6 +4,8 @@ the exported model) is tasks/contracts/training.py. Imports no Prefect, Ray or t
 
 from __future__ import annotations
 
+import math
+
 from pydantic import BaseModel
 
 from tasks.contracts.training import Curve, EpochRecord
@@ -24,11 +26,22 @@ class Plan(BaseModel, frozen=True):
 
     def describe(self, cfg: TrainConfig) -> str:
         device = "GPU" if self.use_gpu else "CPU"
+        workers = f"{cfg.num_workers[0]}-{self.workers}" if isinstance(cfg.num_workers, tuple) else self.workers
         return (
-            f"{self.workers} {device} worker(s) of {self.cpus_per_worker:g} CPU"
+            f"{workers} {device} worker(s) of {self.cpus_per_worker:g} CPU"
             f" x micro-batch {self.micro_batch} x accumulation {self.accumulation}"
-            f" = global batch {cfg.batch_size}, ZeRO-{cfg.zero_stage}, {self.precision}"
+            f" = global batch {self.global_batch}, ZeRO-{cfg.zero_stage}, {self.precision}"
         )
+
+    @property
+    def global_batch(self) -> int:
+        return self.workers * self.micro_batch * self.accumulation
+
+    def at(self, workers: int, batch_size: int) -> Plan:
+        """The plan for a worker group of another size (a range of num_workers): the same micro-batch, and
+        the accumulation that keeps the global batch, or the nearest where `workers` does not divide it."""
+        accumulation = max(1, round(batch_size / (workers * self.micro_batch)))
+        return self.model_copy(update={"workers": workers, "accumulation": accumulation})
 
 
 class WorkerSpec(BaseModel):
@@ -53,6 +66,21 @@ class WorkerSpec(BaseModel):
     # whether a node of the run can be preempted: on a cluster, not on ftflow's local Ray, whose nodes
     # Ray Train's watcher then does not poll and whose workers ask no one (tasks/train/preemption.py)
     preemptible: bool = False
+
+
+def at_world_size(spec: WorkerSpec, workers: int) -> WorkerSpec:
+    """The spec for a worker group of `workers` (Ray Train's elastic groups change size): its plan, its
+    DeepSpeed micro-batch and accumulation, and its micro-batches per epoch (the split padded to a
+    multiple of the workers)."""
+    if workers == spec.plan.workers:
+        return spec
+    plan = spec.plan.at(workers, spec.train.batch_size)
+    deepspeed = spec.deepspeed | {
+        "train_batch_size": plan.global_batch,
+        "gradient_accumulation_steps": plan.accumulation,
+    }
+    batches = math.ceil(math.ceil(spec.train_rows / workers) / plan.micro_batch)
+    return spec.model_copy(update={"plan": plan, "deepspeed": deepspeed, "batches_per_epoch": batches})
 
 
 class Progress(BaseModel):

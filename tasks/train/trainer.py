@@ -18,6 +18,7 @@ from ray.train import WorkerGroupError
 from ray.train.torch import TorchTrainer
 from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
 from ray.train.v2._internal.execution.callback import ControllerCallback
+from ray.train.v2._internal.execution.scaling_policy.elastic import ElasticScalingPolicy
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 
 from tasks.core import cluster, storage
@@ -51,11 +52,31 @@ class Trainer(TorchTrainer):
     Ray Train has no option to leave the cleaner out, hence this override of its default callbacks.
     """
 
+    def _initialize_and_run_controller(self, **controller_init_kwargs):
+        if isinstance(controller_init_kwargs["scaling_policy"], ElasticScalingPolicy):
+            controller_init_kwargs["scaling_policy"] = LeavingDataCpus(self.scaling_config)
+        return super()._initialize_and_run_controller(**controller_init_kwargs)
+
     def _create_default_callbacks(self) -> list:
         callbacks = super()._create_default_callbacks()
         if cluster.local_ray():
             callbacks = [callback for callback in callbacks if not isinstance(callback, PlacementGroupCleanerCallback)]
         return [*callbacks, ControllerNote(f"{self.run_config.storage_path}/{self.run_config.name}")]
+
+
+class LeavingDataCpus(ElasticScalingPolicy):
+    """Ray Train's elastic policy (a range of num_workers), leaving the CPU ftflow keeps for Ray Data's
+    split of the training stream (cluster.DATA_CPUS): Ray's sized a group from every CPU it found, and
+    after a lost node the split found none and training waited for its first batch for good (a [1, 2]
+    run on three 1-CPU nodes, one SIGKILLed)."""
+
+    def _count_possible_workers(self, reserved_resources) -> int:
+        fits = super()._count_possible_workers(reserved_resources)
+        per_worker = self.scaling_config._resources_per_worker_not_none.get("CPU", 0)
+        if not per_worker:
+            return fits
+        cpus = sum(node["Resources"].get("CPU", 0.0) for node in ray.nodes() if node["Alive"])
+        return min(fits, int((cpus - cluster.DATA_CPUS) // per_worker))
 
 
 class ControllerNote(ControllerCallback):

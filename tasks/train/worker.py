@@ -43,7 +43,7 @@ from tasks.train.lora import parameter_counts
 from tasks.train.passes import EpochPass, TrainedRows, rest_of_epoch
 from tasks.train.preemption import Notice, described
 from tasks.train.replica import on
-from tasks.train.spec import WorkerSpec
+from tasks.train.spec import WorkerSpec, at_world_size
 from tasks.train.stream import drawn
 from tasks.train.watch import TRAINING, Pulse
 
@@ -113,7 +113,9 @@ def train_worker(spec: WorkerSpec, first_epoch: Future[Iterator[dict]] | None = 
     """A Ray Train worker: training, its heartbeats posted on the driver's channel (the last one
     exactly, if it fails). `first_epoch`: the first epoch's rows, already being read
     (tasks/train/stream.py)."""
-    with Pulse(spec.channel, ray.train.get_context().get_world_rank()).beating() as pulse:
+    context = ray.train.get_context()
+    spec = at_world_size(spec, context.get_world_size())  # a range of num_workers: this group's size
+    with Pulse(spec.channel, context.get_world_rank()).beating() as pulse:
         Recipe(spec, spec.channel, pulse).train(first_epoch)
 
 
@@ -152,6 +154,13 @@ class Recipe:
         self.leader = dist.get_rank() == 0 and channel is not None  # says what the run's log shows
         if self.leader:
             say(channel, logging.INFO, engine_line(self.engine, self.device, time.perf_counter() - self.started))
+            if (kept := spec.plan.global_batch) != spec.train.batch_size:
+                say(
+                    channel,
+                    logging.WARNING,
+                    f"on {spec.plan.workers} workers the global batch is {kept}, not batch_size={spec.train.batch_size}: "
+                    f"micro-batch {spec.plan.micro_batch} x accumulation {spec.plan.accumulation}, the nearest",
+                )
         pulse("resuming")
         (self.progress, self.resumed_keys), self.policy = resume(self.engine, channel), CheckpointPolicy(spec.train)
         self.start_epoch, self.resumed_from = self.progress.epoch, self.engine.global_steps
