@@ -359,8 +359,8 @@ def fault_injected(step: int, rank: int = 0, hang_s: float = 0.0) -> Iterator[No
 
 @contextmanager
 def faults_injected(*faults: dict) -> Iterator[Path]:
-    """fault_injected's faults ({step, rank, hang_s}), several; yields where a hang says it started
-    (hanging-<n>.json, n its place in `faults`)."""
+    """fault_injected's faults ({step, rank, hang_s}, and workers: only in a group of that many), several;
+    yields where a hang says it started (hanging-<n>.json, n its place in `faults`)."""
     fault = HOOKS_DIR / "fault.json"
     fault.write_text(json.dumps(list(faults)))
     try:

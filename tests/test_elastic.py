@@ -1,6 +1,6 @@
-"""A range of training workers (issue 57): on a cluster of separate `ray start` nodes, a node lost
-without notice mid-epoch, and the run goes on with fewer workers from its latest checkpoint, the same
-global batch, and every row of every epoch once."""
+"""A range of training workers (issue 57): on a cluster of separate `ray start` nodes, the run grows as a
+node comes and goes on with fewer when one is lost without notice, mid-epoch each time, from its latest
+checkpoint, with the same global batch and every row of every epoch once."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import secrets
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 from conftest import FTFLOW, faults_injected, free_port, session_prefect
 from test_cluster import ROOT, alive_nodes, start_ray_head
@@ -20,23 +21,26 @@ from test_preemption import node_of_rank_1, start_node
 from tasks.core import storage
 
 
-def test_a_range_of_workers_goes_on_with_fewer_when_a_node_is_lost(tiny_model, small_data, tmp_path):
+def test_a_range_of_workers_grows_as_a_node_comes_and_goes_on_with_fewer_when_one_is_lost(
+    tiny_model, small_data, tmp_path
+):
     port, token = free_port(), secrets.token_hex(32)
     secured = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}
     head = start_ray_head(port, secured, "--num-cpus", "0", dashboard=free_port())
-    # two training workers and the CPU Ray Data's split of the training stream holds: no spare
-    nodes = [start_node(port, secured, tmp_path / f"node-{n}.log") for n in range(3)]
+    # one training worker and the CPU Ray Data's split of the training stream holds; a third node: room for two
+    nodes = [start_node(port, secured, tmp_path / f"node-{n}.log") for n in range(2)]
     driver = {**secured, "RAY_ADDRESS": f"127.0.0.1:{port}", **session_prefect()}
     run_params = params(tiny_model, small_data, str(tmp_path / "store"), epochs=2)
     run_params.storage_shared = True  # every node is on this machine
     update = {"num_workers": (1, 2), "cpus_per_worker": 1, "checkpoint_every_steps": 10, "max_failures": 1}
-    run_params.train = run_params.train.model_copy(update=update)
+    run_params.train = run_params.train.model_copy(update={**update, "grow_every_s": 2})
     (config := tmp_path / "params.json").write_text(run_params.model_dump_json())
-    hold = {"step": 35, "rank": 0, "hang_s": 60}  # mid-epoch, after step 30's checkpoint: rank 1's node goes then
+    # mid-epoch, after a checkpoint each time: a node comes at step 12 of one worker, one goes at step 35 of two
+    holds = ({"step": 12, "rank": 0, "hang_s": 60, "workers": 1}, {"step": 35, "rank": 0, "hang_s": 60, "workers": 2})
     try:
-        while alive_nodes(driver) < 4:
+        while alive_nodes(driver) < 3:
             time.sleep(1)
-        with faults_injected(hold) as hooks:
+        with faults_injected(*holds) as hooks:
             run = subprocess.Popen(
                 [FTFLOW, "run", "--verbose", "--params", str(config)],
                 cwd=ROOT,
@@ -44,8 +48,9 @@ def test_a_range_of_workers_goes_on_with_fewer_when_a_node_is_lost(tiny_model, s
                 stdout=(out := (tmp_path / "out.txt").open("w")),
                 stderr=subprocess.STDOUT,
             )
-            while not (held := hooks / "hanging-0.json").exists() and run.poll() is None:
-                time.sleep(0.2)
+            wait_for(hooks / "hanging-0.json", run)
+            nodes.append(start_node(port, secured, tmp_path / "node-2.log"))
+            held = wait_for(hooks / "hanging-1.json", run)
             lost = node_of_rank_1(nodes, json.loads(held.read_text())["raylet"])
             os.killpg(lost.pid, signal.SIGKILL)  # the node, its raylet and its workers: gone without notice
             run.wait(timeout=600)
@@ -62,12 +67,22 @@ def test_a_range_of_workers_goes_on_with_fewer_when_a_node_is_lost(tiny_model, s
     assert re.search(
         r"training on 1-2 CPU worker\(s\) of 1 CPU x micro-batch 16 x accumulation 1 = global batch 32", said
     )
+    assert "the run grows from 1 to 2 training workers, from step 10" in said, said[-4000:]
+    assert re.search(r"rank 0: resumed from the checkpoint at step 10: epoch 1, 320 of its rows trained", said)
     assert re.search(r"lost training worker 1's node \w+ without notice", said), said[-4000:]
+    # Its restart right after the kill may still take 2, before Ray's GCS has marked the node dead; the
+    # policy then resizes to 1 once it has.
+    assert "the run goes on with 1 instead of 2 training workers, from step 30" in said, said[-4000:]
     assert re.search(r"rank 0: resumed from the checkpoint at step 30: epoch 1, 960 of its rows trained", said)
-    assert "the global batch is" not in said, "1 worker keeps the global batch: micro-batch 16 x accumulation 2"
+    assert "the global batch is" not in said, "1 worker or 2 keep the global batch: micro-batch 16"
     run_dir = re.search(r"artifacts: +(\S+)", said)[1]
     history = storage.read_json(storage.join(run_dir, "manifest.json"))["metrics"]["training"]["history"]
-    # Every row of each epoch once; the run ends on the 1 worker the cluster has room for beside Ray Data's
-    # split. (Its restart right after the kill may still take 2, before Ray's GCS has marked the node dead:
-    # the policy then resizes to 1 once it has.)
+    # every row of each epoch once, the run ending on the 1 worker its two nodes leave room for
     assert [row["rows"] for row in history] == [2048, 2048] and history[-1]["workers"] == 1, history
+
+
+def wait_for(marker: Path, run: subprocess.Popen) -> Path:
+    while not marker.exists():
+        assert run.poll() is None, "the run ended before its hold"
+        time.sleep(0.2)
+    return marker

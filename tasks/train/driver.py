@@ -43,7 +43,7 @@ from tasks.train.plan import cpu_has_native_bf16, planned
 from tasks.train.resumable import latest_progress, resume_refused
 from tasks.train.spec import Plan, WorkerSpec
 from tasks.train.trainer import RUN_NAME, Trainer, stop_controller, worker_exception
-from tasks.train.watch import FailureRelay, Watchdog
+from tasks.train.watch import FailureRelay, Resizes, Watchdog
 
 # glibc raises its mmap threshold to 32 MiB after the first large free, so tensors up to that size
 # are then carved from the heap and fragment it: ZeRO-3's per-layer gathers grew a CPU worker's RSS
@@ -169,8 +169,8 @@ def build_trainer(
             checkpoint_config=checkpoint_config(cfg),
             # A controller failure is the worker group not starting: retried, it would wait forever.
             failure_config=FailureConfig(max_failures=cfg.max_failures, controller_failure_limit=0),
-            # each failure said at once, not only in Ray's log
-            callbacks=[FailureRelay(channel, cfg.max_failures), *callbacks],
+            # each failure and each resize said at once, not only in Ray's log
+            callbacks=[relay := FailureRelay(channel, cfg.max_failures), Resizes(relay), *callbacks],
         ),
     )
 

@@ -20,6 +20,7 @@ import ray
 from ray.exceptions import RayActorError
 from ray.train import UserCallback
 from ray.train.v2._internal.exceptions import WorkerHealthCheckFailedError
+from ray.train.v2._internal.execution.callback import ControllerCallback
 from ray.train.v2._internal.execution.context import get_train_context
 
 from tasks.core import storage
@@ -36,6 +37,27 @@ TRAINING = "training"
 # How long a failed group's nodes are watched for Ray's verdict that one is gone: its GCS marked a node
 # SIGKILLed mid-run dead 11-13 s after (bench/lost_node.py).
 LOST_NODE_WAIT_S = 60.0
+
+
+class Resizes(ControllerCallback):
+    """On Ray Train's controller: a worker group started at another size than the last (a range of
+    num_workers: grown as nodes came, or fewer after a lost node) as one line, with the checkpoint the
+    new group resumes from. A Ray Train internal hook: its public callbacks are not told of resizes."""
+
+    def __init__(self, relay: FailureRelay):
+        self.relay, self.workers = relay, None
+
+    def before_controller_execute_resize_decision(self, resize_decision) -> None:
+        workers, was = resize_decision.num_workers, self.workers
+        self.workers = workers
+        if was is None or workers == was:
+            return
+        change = f"grows from {was} to {workers}" if workers > was else f"goes on with {workers} instead of {was}"
+        say(
+            self.relay.channel,
+            logging.WARNING,
+            f"the run {change} training workers, from {self.relay.resumed_from()}",
+        )
 
 
 def own(error: BaseException) -> BaseException:

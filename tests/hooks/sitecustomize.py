@@ -4,7 +4,8 @@ start-up): what the tests need inside training workers, so that ftflow's own mod
 variable. Nothing is imported here until a hooked module is:
 
 - tasks.train.watch: faults at optimizer steps (conftest.fault_injected writes them), each raised, or
-  hung for a while, by one worker, once per run (the first worker to reach it, of every attempt);
+  hung for a while, by one worker, once per run (the first worker to reach it, of every attempt; of a
+  group of `workers`, where the fault names them);
 - tasks.train.worker: with FTFLOW_TEST_CHECK_DEVICES=1, every collective's tensor checked against
   the worker's training device (tests/hooks/devices.py).
 """
@@ -30,7 +31,7 @@ def injected(pulse, step: int) -> None:
     if not (hooks / FAULT_FILE).exists():
         return
     for number, fault in enumerate(json.loads((hooks / FAULT_FILE).read_text())):
-        if fault["step"] != step or fault["rank"] != pulse.rank:
+        if fault["step"] != step or fault["rank"] != pulse.rank or not in_a_group_of(fault.get("workers")):
             continue
         from ray.experimental import internal_kv
 
@@ -45,6 +46,13 @@ def injected(pulse, step: int) -> None:
         raise RuntimeError(
             f"injected fault at step {step}, at {time.time():.3f}"
         )  # when, for the test to time its line
+
+
+def in_a_group_of(workers: int | None) -> bool:
+    """Whether the worker's group has `workers` (a range of num_workers starts groups of several sizes)."""
+    import ray.train
+
+    return workers is None or ray.train.get_context().get_world_size() == workers
 
 
 def hook_watch(module) -> None:
