@@ -32,8 +32,9 @@ def test_a_range_of_workers_grows_as_a_node_comes_and_goes_on_with_fewer_when_on
     driver = {**secured, "RAY_ADDRESS": f"127.0.0.1:{port}", **session_prefect()}
     run_params = params(tiny_model, small_data, str(tmp_path / "store"), epochs=2)
     run_params.storage_shared = True  # every node is on this machine
-    update = {"num_workers": (1, 2), "cpus_per_worker": 1, "checkpoint_every_steps": 10, "max_failures": 1}
-    run_params.train = run_params.train.model_copy(update={**update, "grow_every_s": 2})
+    update = {"num_workers": (1, 2), "grow_every_s": 2, "cpus_per_worker": 1, "checkpoint_every_steps": 10}
+    # ZeRO-2: each resize loads a checkpoint partitioned for the other size (tasks/train/reshard.py)
+    run_params.train = run_params.train.model_copy(update={**update, "zero_stage": 2, "max_failures": 1})
     (config := tmp_path / "params.json").write_text(run_params.model_dump_json())
     # mid-epoch, after a checkpoint each time: a node comes at step 12 of one worker, one goes at step 35 of two
     holds = ({"step": 12, "rank": 0, "hang_s": 60, "workers": 1}, {"step": 35, "rank": 0, "hang_s": 60, "workers": 2})
@@ -65,7 +66,7 @@ def test_a_range_of_workers_grows_as_a_node_comes_and_goes_on_with_fewer_when_on
     said = (tmp_path / "out.txt").read_text()
     assert run.returncode == 0, said[-4000:]
     assert re.search(
-        r"training on 1-2 CPU worker\(s\) of 1 CPU x micro-batch 16 x accumulation 1 = global batch 32", said
+        r"training on 1-2 CPU worker\(s\) of 1 CPU x micro-batch 16 x accumulation 1 = global batch 32, ZeRO-2", said
     )
     assert "the run grows from 1 to 2 training workers, from step 10" in said, said[-4000:]
     assert re.search(r"rank 0: resumed from the checkpoint at step 10: epoch 1, 320 of its rows trained", said)
