@@ -7,12 +7,17 @@ run saying so, to rank 0's resume from the checkpoint, and to the first training
 steps trained again; the run must then complete. Times are when each line reached the console: the
 workers' lines come through the driver's relay, every DRAIN_EVERY_S (tasks/core/progress.py).
 
-    python bench/lost_node.py [--checkpoint-every 20]
+With --elastic, `train.num_workers: [1, 2]` on three nodes (no spare: the run goes on with 1 worker), at
+--zero-stage: the resize line's time too, and the final validation loss against two uninterrupted runs
+on the same cluster (seeds 42 and 43: their gap is the noise it is judged by).
+
+    python bench/lost_node.py [--checkpoint-every 20] [--elastic --zero-stage 3]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import secrets
@@ -38,7 +43,7 @@ from tasks.core.train_config import TrainConfig  # noqa: E402
 
 DATA = ROOT / "data" / "rotten_tomatoes"
 FTFLOW = str(Path(sys.executable).parent / "ftflow")
-NODES = 4  # two training workers, Ray Data's split of the training stream, a spare
+NODES = 4  # two training workers, Ray Data's split of the training stream, a spare (none with --elastic)
 # the cluster's processes and its driver: token authentication, as ftflow's stack runs Ray
 SECURED = {**os.environ, **HEAD_ENV, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
 
@@ -66,9 +71,9 @@ def trains(node: subprocess.Popen) -> bool:
     return any("RayTrainWorker" in " ".join(p.cmdline()) for p in psutil.Process(node.pid).children(recursive=True))
 
 
-def run_params(folder: Path, checkpoint_every: int) -> Path:
+def run_params(folder: Path, checkpoint_every: int, train: dict) -> Path:
     """One epoch of the shipped reviews (267 steps of 32 rows), a checkpoint every `checkpoint_every`
-    steps, a tick every 2 steps; every node on this machine's disk."""
+    steps, a tick every 2 steps, and `train`'s fields; every node on this machine's disk."""
     params = FinetuneParams(
         data=DataConfig(**{f"{split}_uri": str(DATA / f"{split}.jsonl") for split in ("train", "validation", "test")}),
         model=ModelConfig(name_or_path=str(make_tiny_bert(folder / "model")), max_length=64),
@@ -80,11 +85,11 @@ def run_params(folder: Path, checkpoint_every: int) -> Path:
             checkpoint_every_steps=checkpoint_every,
             log_every_steps=2,
             max_failures=1,
-        ),
+        ).model_copy(update=train),
         storage_root=str(folder / "store"),
         storage_shared=True,
     )
-    (path := folder / "params.json").write_text(params.model_dump_json())
+    (path := folder / f"params-{len(list(folder.glob('params*')))}.json").write_text(params.model_dump_json())
     return path
 
 
@@ -124,8 +129,41 @@ def killed_mid_epoch(nodes: list[subprocess.Popen], console: Console, checkpoint
     return killed_at
 
 
-def measure(checkpoint_every: int) -> None:
+def ftflow_run(params: Path, port: int) -> tuple[subprocess.Popen, Console]:
+    run = subprocess.Popen(
+        [FTFLOW, "run", "--verbose", "--params", str(params)],
+        cwd=ROOT,
+        env={**SECURED, "RAY_ADDRESS": f"127.0.0.1:{port}"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    return run, Console(run)
+
+
+def final_val_loss(console: Console) -> float:
+    """The last epoch's validation loss, from the finished run's manifest."""
+    found = console.first(r"artifacts: +(\S+)")
+    if found is None:
+        sys.exit("a run did not finish:\n" + "\n".join(line for _, line in console.lines[-40:]))
+    manifest = json.loads((Path(found[1][1]) / "manifest.json").read_text())
+    return manifest["metrics"]["training"]["history"][-1]["val_loss"]
+
+
+def uninterrupted(folder: Path, port: int, checkpoint_every: int, train: dict) -> list[float]:
+    """The final validation loss of runs never interrupted, with seeds 42 and 43, on the same cluster."""
+    losses = []
+    for seed in (42, 43):
+        run, console = ftflow_run(run_params(folder, checkpoint_every, train | {"seed": seed}), port)
+        run.wait(timeout=900)
+        console.reader.join(timeout=10)
+        losses.append(final_val_loss(console))
+    return losses
+
+
+def measure(checkpoint_every: int, elastic: bool, zero_stage: int) -> None:
     folder = Path(tempfile.mkdtemp(prefix="lost-node-"))
+    train = {"zero_stage": zero_stage} | ({"num_workers": (1, 2)} if elastic else {})
     port, dashboard = free_port(), free_port()
     head = subprocess.Popen(
         ray_head_command(port, "--num-cpus", "0", "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dashboard))
@@ -135,18 +173,11 @@ def measure(checkpoint_every: int) -> None:
         stderr=subprocess.DEVNULL,
         start_new_session=True,
     )
-    nodes = []
+    nodes, baseline = [], []
     try:
-        nodes = [start_node(port, folder / f"node-{n}.log") for n in range(NODES)]
-        run = subprocess.Popen(
-            [FTFLOW, "run", "--verbose", "--params", str(run_params(folder, checkpoint_every))],
-            cwd=ROOT,
-            env={**SECURED, "RAY_ADDRESS": f"127.0.0.1:{port}"},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        console = Console(run)
+        nodes = [start_node(port, folder / f"node-{n}.log") for n in range(NODES - elastic)]
+        baseline = uninterrupted(folder, port, checkpoint_every, train) if elastic else []
+        run, console = ftflow_run(run_params(folder, checkpoint_every, train), port)
         killed_at = killed_mid_epoch(nodes, console, checkpoint_every)
         run.wait(timeout=900)
         console.reader.join(timeout=10)
@@ -157,6 +188,11 @@ def measure(checkpoint_every: int) -> None:
         os.killpg(head.pid, signal.SIGTERM)
         head.wait(timeout=60)
     report(console, run.returncode, killed_at, checkpoint_every)
+    if baseline:
+        print(
+            f"final validation loss {final_val_loss(console):.4f}; uninterrupted, seed 42: {baseline[0]:.4f}, "
+            f"seed 43: {baseline[1]:.4f} (the noise: {abs(baseline[0] - baseline[1]):.4f})"
+        )
 
 
 def report(console: Console, returncode: int, killed_at: float, checkpoint_every: int) -> None:
@@ -175,6 +211,7 @@ def report(console: Console, returncode: int, killed_at: float, checkpoint_every
     if named:
         print(f"| the run naming the lost node ({named[1][0]}) | {named[0] - killed_at:.1f} |")
     for what, pattern in (
+        ("the run saying it goes on with fewer workers", r"the run goes on with \d+ instead of \d+ training workers"),
         ("Ray Train's new worker group started", r"Started training worker group"),
         ("rank 0's engine built", r"rank 0: engine built"),
     ):
@@ -190,4 +227,7 @@ def report(console: Console, returncode: int, killed_at: float, checkpoint_every
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint-every", type=int, default=20)
-    measure(parser.parse_args().checkpoint_every)
+    parser.add_argument("--elastic", action="store_true", help="num_workers [1, 2] on three nodes, no spare")
+    parser.add_argument("--zero-stage", type=int, default=0, choices=range(4))
+    args = parser.parse_args()
+    measure(args.checkpoint_every, args.elastic, args.zero_stage)

@@ -76,6 +76,8 @@ def test_a_range_of_workers_grows_as_a_node_comes_and_goes_on_with_fewer_when_on
     assert "the run goes on with 1 instead of 2 training workers, from step 30" in said, said[-4000:]
     assert re.search(r"rank 0: resumed from the checkpoint at step 30: epoch 1, 960 of its rows trained", said)
     assert "the global batch is" not in said, "1 worker or 2 keep the global batch: micro-batch 16"
+    # a restart is not a stall: the new group's first beat came 30 s after the kill, its stall warning with it
+    assert "training has shown no progress" not in said, said[-4000:]
     run_dir = re.search(r"artifacts: +(\S+)", said)[1]
     history = storage.read_json(storage.join(run_dir, "manifest.json"))["metrics"]["training"]["history"]
     # every row of each epoch once, the run ending on the 1 worker its two nodes leave room for

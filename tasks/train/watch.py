@@ -34,6 +34,9 @@ BEAT_EVERY_S = 1.0  # how often a worker's heartbeat is posted, when it changed
 # the next Parquet block may take many steps' time without anything being wrong.
 START_S, FLOOR_S, STEPS = 300.0, 30.0, 20
 TRAINING = "training"
+# A stopped group's phase (a failure, a resize), in its workers' last beats: a restart, not a stall. The new
+# group's first beat comes after its start and imports, 30 s into a lost node's restart in test_elastic.
+RESTARTING = "restarting"
 # How long a failed group's nodes are watched for Ray's verdict that one is gone: its GCS marked a node
 # SIGKILLed mid-run dead 11-13 s after (bench/lost_node.py).
 LOST_NODE_WAIT_S = 60.0
@@ -52,12 +55,20 @@ class Resizes(ControllerCallback):
         self.workers = workers
         if was is None or workers == was:
             return
+        restarting(self.relay.channel)
         change = f"grows from {was} to {workers}" if workers > was else f"goes on with {workers} instead of {was}"
         say(
             self.relay.channel,
             logging.WARNING,
             f"the run {change} training workers, from {self.relay.resumed_from()}",
         )
+
+
+def restarting(channel: str) -> None:
+    """Marks the stopped group's last heartbeats as restarting, for the Watchdog."""
+    for heard in beats(channel).values():
+        if heard.phase != RESTARTING:
+            beat(channel, heard.model_copy(update={"phase": RESTARTING}))
 
 
 def own(error: BaseException) -> BaseException:
@@ -128,6 +139,7 @@ class FailureRelay(UserCallback):
         elif (node := self.node_of(preempted[0])) not in self.lost_nodes:
             self.lost_nodes.add(node)
             say(self.channel, logging.WARNING, self.lost(preempted[0]))
+        restarting(self.channel)
 
     def preempted(self, rank: int, error: Exception) -> bool:
         """Whether the worker died with its node after a preemption notice: Ray's verdict, or ftflow's
