@@ -79,9 +79,12 @@ def test_a_range_of_workers_grows_as_a_node_comes_and_goes_on_with_fewer_when_on
     # a restart is not a stall: the new group's first beat came 30 s after the kill, its stall warning with it
     assert "training has shown no progress" not in said, said[-4000:]
     run_dir = re.search(r"artifacts: +(\S+)", said)[1]
-    history = storage.read_json(storage.join(run_dir, "manifest.json"))["metrics"]["training"]["history"]
+    training = storage.read_json(storage.join(run_dir, "manifest.json"))["metrics"]["training"]
     # every row of each epoch once, the run ending on the 1 worker its two nodes leave room for
+    history, groups = training["history"], [(group["from_step"], group["workers"]) for group in training["groups"]]
     assert [row["rows"] for row in history] == [2048, 2048] and history[-1]["workers"] == 1, history
+    assert groups[:2] == [(0, 1), (10, 2)] and groups[-1] == (groups[-1][0], 1), groups
+    assert "Workers: 1 from step 0, then 2 from step 10, then " in Path(run_dir, "report", "report.md").read_text()
 
 
 def wait_for(marker: Path, run: subprocess.Popen) -> Path:

@@ -83,6 +83,14 @@ class Curve(BaseModel):
         return len(scores) - 1 - scores.index(max(scores)) if scores else 0
 
 
+class WorkerGroup(BaseModel):
+    """A worker group that trained, from the step it resumed at: a range of num_workers resizes, and a run
+    resumed at another number of workers."""
+
+    from_step: int
+    workers: int
+
+
 class EpochRecord(BaseModel):
     epoch: float  # epochs done at this record: whole, unless max_steps ended the run mid-epoch
     step: int
@@ -196,6 +204,7 @@ class Result(BaseModel):
     validation: Predictions  # the validation split, by row, as the engine predicted it at the kept step
     test: Predictions | None = None  # the test split, where the driver gave one (WorkerSpec.evaluation)
     nodes: list[str]  # the Ray node of each worker, by rank, in the last attempt
+    groups: list[WorkerGroup] = []  # each number of workers the run trained with, in turn
     layer_parameter_mb: float | None = (
         None  # the encoder layers' parameters rank 0 holds: what tensor parallelism and ZeRO-3 split
     )

@@ -45,7 +45,7 @@ class Results(BaseModel):
     sweep: SweepResult | None = None  # a sweep's trials; training is its best trial's
 
     def recorded(self) -> dict:
-        """As the manifest holds them: the training's history, curve, nodes, strategy, why it stopped,
+        """As the manifest holds them: the training's history, curve, nodes, worker groups, strategy, why it stopped,
         which step it kept and its parameters (all, and trained), not its predictions; a sweep's trials."""
         return self.model_dump(
             mode="json",
@@ -56,6 +56,7 @@ class Results(BaseModel):
                     "history",
                     "curve",
                     "nodes",
+                    "groups",
                     "strategy",
                     "stopped",
                     "kept",

@@ -165,6 +165,14 @@ def epoch_rows(training: Result) -> list[dict]:
     ]
 
 
+def group_lines(training: Result) -> list[str]:
+    """The numbers of workers the run trained with, where it changed (a range of num_workers)."""
+    if len(training.groups) < 2:
+        return []
+    turns = ", then ".join(f"{group.workers} from step {group.from_step}" for group in training.groups)
+    return [f"Workers: {turns}.", ""]
+
+
 def parameter_lines(training: Result) -> list[str]:
     """How many parameters the model has, and how many trained: fewer under LoRA."""
     if training.parameters is None:
@@ -251,6 +259,7 @@ def markdown(
         *table(epoch_rows(results.training)),
         "",
         *parameter_lines(results.training),
+        *group_lines(results.training),
         *task_lines(results.test, images, plot_link),
         *(sentence_lines(splits["test"], results.training.test) if splits["test"].schema.tagged else []),
         *data_lines(splits, outputs, root),

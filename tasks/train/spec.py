@@ -8,7 +8,7 @@ import math
 
 from pydantic import BaseModel
 
-from tasks.contracts.training import Curve, EpochRecord
+from tasks.contracts.training import Curve, EpochRecord, WorkerGroup
 from tasks.core.model_config import ModelInit
 from tasks.core.targets import Targets
 from tasks.core.train_config import TrainConfig
@@ -93,5 +93,12 @@ class Progress(BaseModel):
     # keys are beside it (tasks/train/passes.py), so the epoch goes on at any number of workers
     rows_done: int = 0
     world_size: int | None = None  # the workers that trained it (None: saved before ftflow recorded it)
+    groups: list[WorkerGroup] = []  # each number of workers that trained, from the step it resumed at
     history: list[EpochRecord] = []
     curve: Curve = Curve()
+
+    def trained_by(self, workers: int) -> Progress:
+        """This progress with a group of `workers` training on from its step, where the size changed."""
+        if self.groups and self.groups[-1].workers == workers:
+            return self
+        return self.model_copy(update={"groups": [*self.groups, WorkerGroup(from_step=self.step, workers=workers)]})

@@ -162,7 +162,8 @@ class Recipe:
                     f"micro-batch {spec.plan.micro_batch} x accumulation {spec.plan.accumulation}, the nearest",
                 )
         pulse("resuming")
-        (self.progress, self.resumed_keys), self.policy = resume(self.engine, channel), CheckpointPolicy(spec.train)
+        (progress, self.resumed_keys), self.policy = resume(self.engine, channel), CheckpointPolicy(spec.train)
+        self.progress = progress.trained_by(dist.get_world_size())
         self.start_epoch, self.resumed_from = self.progress.epoch, self.engine.global_steps
         self.pad_id, self.meter, self.pin = (
             self.tokenizer.pad_token_id,
@@ -356,6 +357,7 @@ class Recipe:
             validation=self.predictions,
             test=test,
             nodes=self.nodes,
+            groups=self.progress.groups,
             layer_parameter_mb=layer_parameter_mb(self.replica.layers()),
             parameters=parameters,
             trained_parameters=trained,
