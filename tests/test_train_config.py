@@ -53,6 +53,16 @@ def test_accumulation_is_what_the_global_batch_leaves_over():
     assert ds["scheduler"]["params"]["warmup_num_steps"] == 10
 
 
+def test_a_range_of_workers_is_planned_for_the_most_and_each_group_keeps_the_global_batch_or_the_nearest():
+    cfg = TrainConfig(num_workers=(1, 4), cpus_per_worker=1, batch_size=32)
+    plan = plan_of(cfg, Resources(cpus=8, gpus=0))
+    assert plan.describe(cfg).startswith(
+        "1-4 CPU worker(s) of 1 CPU x micro-batch 8 x accumulation 1 = global batch 32"
+    )
+    groups = {workers: (plan.at(workers, 32).accumulation, plan.at(workers, 32).global_batch) for workers in (1, 2, 3)}
+    assert groups == {1: (4, 32), 2: (2, 32), 3: (1, 24)}  # 3 x 8 divides no accumulation into 32: 24 is nearest
+
+
 def test_gpu_cluster_gets_one_worker_per_gpu_and_mixed_precision():
     p = plan_of(TrainConfig(), GPU_NODE)
     assert (p.workers, p.use_gpu, p.precision) == (2, True, "auto")
@@ -113,6 +123,12 @@ def test_a_cluster_that_grows_is_asked_for_what_the_config_says():
             {"num_workers": 3, "tensor_parallel_size": 2, "cpus_per_worker": 0.5},
             "num_workers=3 is not a multiple of tensor_parallel_size=2: the workers are groups of 2 that hold one copy of "
             "the model; use num_workers=2 or 4",
+        ),
+        ({"num_workers": (2, 1)}, r"num_workers=\[2, 1\]: a range is \[min, max\] with 1 <= min <= max"),
+        (
+            {"num_workers": (2, 4), "tensor_parallel_size": 2},
+            r"num_workers=\[2, 4\] with tensor_parallel_size=2: a range grows and shrinks by single workers, not "
+            "whole model-parallel groups; give a fixed num_workers",
         ),
         (
             {"pipeline_parallel_size": 2, "zero_stage": 2},
