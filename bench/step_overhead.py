@@ -10,7 +10,7 @@ thread (a GPU worker gets one CPU):
 
 Printed: ms per step (the median of 5 blocks of steps, after a warm-up) and the ratio to (a).
 
-    python bench/step_overhead.py [--steps 100] [--batch 32] [--stages 0,2]
+    python bench/step_overhead.py [--steps 100] [--batch 4] [--length 8] [--stages 0,2]
 """
 
 from __future__ import annotations
@@ -40,11 +40,11 @@ def bert_shaped() -> torch.nn.Module:
     return BertForSequenceClassification(config)
 
 
-def batches(count: int, batch: int) -> list[dict]:
+def batches(count: int, batch: int, length: int) -> list[dict]:
     generator = torch.Generator().manual_seed(0)
     return [
         {
-            "input_ids": torch.randint(0, 1000, (batch, 64), generator=generator),
+            "input_ids": torch.randint(0, 1000, (batch, length), generator=generator),
             "labels": torch.randint(0, 2, (batch,), generator=generator),
         }
         for _ in range(count)
@@ -93,15 +93,16 @@ def engine(model: torch.nn.Module, stage: int, batch: int, steps: int):
     return step
 
 
-def main(steps: int, batch: int, stages: list[int]) -> None:
+def main(steps: int, batch: int, length: int, stages: list[int]) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29533", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     dist.init_process_group("gloo")
-    model, data = bert_shaped(), batches(steps, batch)
+    model, data = bert_shaped(), batches(steps, batch, length)
     base = ms_per_step(plain(copy.deepcopy(model)), data)
     print(f"{sum(p.numel() for p in model.parameters()):,} parameters in {len(list(model.parameters()))} tensors")
     print(
-        f"| loop, batch {batch} | ms per step | x (a) |\n|---|---|---|\n| (a) plain, AdamW, bf16 autocast | {base:.1f} | 1.00 |"
+        f"| loop, batch {batch} x {length} tokens | ms per step | x (a) |\n|---|---|---|\n"
+        f"| (a) plain, AdamW, bf16 autocast | {base:.1f} | 1.00 |"
     )
     for stage in stages:
         ms = ms_per_step(engine(copy.deepcopy(model), stage, batch, steps), data)
@@ -111,7 +112,8 @@ def main(steps: int, batch: int, stages: list[int]) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--length", type=int, default=8, help="tokens per row: few, so that compute is small")
     parser.add_argument("--stages", default="0,2")
     args = parser.parse_args()
-    main(args.steps, args.batch, [int(stage) for stage in args.stages.split(",")])
+    main(args.steps, args.batch, args.length, [int(stage) for stage in args.stages.split(",")])
