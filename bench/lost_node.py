@@ -141,6 +141,11 @@ def ftflow_run(params: Path, port: int) -> tuple[subprocess.Popen, Console]:
     return run, Console(run)
 
 
+def finished(run: subprocess.Popen, console: Console) -> None:
+    run.wait(timeout=900)
+    console.reader.join(timeout=10)
+
+
 def final_val_loss(console: Console) -> float:
     """The last epoch's validation loss, from the finished run's manifest."""
     found = console.first(r"artifacts: +(\S+)")
@@ -155,8 +160,7 @@ def uninterrupted(folder: Path, port: int, checkpoint_every: int, train: dict) -
     losses = []
     for seed in (42, 43):
         run, console = ftflow_run(run_params(folder, checkpoint_every, train | {"seed": seed}), port)
-        run.wait(timeout=900)
-        console.reader.join(timeout=10)
+        finished(run, console)
         losses.append(final_val_loss(console))
     return losses
 
@@ -179,8 +183,7 @@ def measure(checkpoint_every: int, elastic: bool, zero_stage: int) -> None:
         baseline = uninterrupted(folder, port, checkpoint_every, train) if elastic else []
         run, console = ftflow_run(run_params(folder, checkpoint_every, train), port)
         killed_at = killed_mid_epoch(nodes, console, checkpoint_every)
-        run.wait(timeout=900)
-        console.reader.join(timeout=10)
+        finished(run, console)
     finally:
         for node in nodes:
             if node.poll() is None:

@@ -71,8 +71,8 @@ def test_a_range_of_workers_grows_as_a_node_comes_and_goes_on_with_fewer_when_on
     assert "the run grows from 1 to 2 training workers, from step 10" in said, said[-4000:]
     assert re.search(r"rank 0: resumed from the checkpoint at step 10: epoch 1, 320 of its rows trained", said)
     assert re.search(r"lost training worker 1's node \w+ without notice", said), said[-4000:]
-    # Its restart right after the kill may still take 2, before Ray's GCS has marked the node dead; the
-    # policy then resizes to 1 once it has.
+    # A restart decided before Ray's GCS marks the node dead takes 2 again, and the policy's next look
+    # resizes from a later step (bench/lost_node.py saw it); here, 6 runs of 6 went straight to 1.
     assert "the run goes on with 1 instead of 2 training workers, from step 30" in said, said[-4000:]
     assert re.search(r"rank 0: resumed from the checkpoint at step 30: epoch 1, 960 of its rows trained", said)
     assert "the global batch is" not in said, "1 worker or 2 keep the global batch: micro-batch 16"
@@ -83,7 +83,7 @@ def test_a_range_of_workers_grows_as_a_node_comes_and_goes_on_with_fewer_when_on
     # every row of each epoch once, the run ending on the 1 worker its two nodes leave room for
     history, groups = training["history"], [(group["from_step"], group["workers"]) for group in training["groups"]]
     assert [row["rows"] for row in history] == [2048, 2048] and history[-1]["workers"] == 1, history
-    assert groups[:2] == [(0, 1), (10, 2)] and groups[-1] == (groups[-1][0], 1), groups
+    assert groups[:2] == [(0, 1), (10, 2)] and groups[-1][1] == 1, groups
     assert "Workers: 1 from step 0, then 2 from step 10, then " in Path(run_dir, "report", "report.md").read_text()
 
 

@@ -137,11 +137,12 @@ else result "RESULT baselines: skipped, $(( DEADLINE - $(el) )) s left"; fi
 fi
 
 m=$(ls -td /tmp/art/runs/*/model 2>/dev/null | head -1); t=$(allow 100 30)
+corpus(){ [ -d /tmp/corpus ] || python3 bench/gpu/corpus.py data/rotten_tomatoes/train.jsonl /tmp/corpus 100000 16; }  # the 100k rows infer and engines label
 if ! want infer; then :
 elif [ -z "$m" ]; then result "RESULT ftflow infer: skipped, no run exported a model"
 elif (( t < 45 )); then result "RESULT ftflow infer: skipped, $(( DEADLINE - $(el) )) s left"
 else
-  [ -d /tmp/corpus ] || python3 bench/gpu/corpus.py data/rotten_tomatoes/train.jsonl /tmp/corpus 100000 16
+  corpus
   log "ftflow infer, 100,000 rows: limit $t s"; t1=$(date +%s)
   timeout -s INT -k 10 "$t" python3 -m ftflow.cli infer "$m" /tmp/corpus /tmp/preds --device gpu --batch-size 256 > "$O/infer.txt" 2>&1
   rc=$?; secs=$(( $(date +%s) - t1 )); quiet "$O/infer.txt" | tail -6
@@ -156,7 +157,7 @@ fi
 # (their CUDA op compiles at its first use: minutes on a fresh machine).
 for engine in compile deepspeed; do want engines || break
   t=$(allow 150 0)
-  [ -n "$m" ] && [ ! -d /tmp/corpus ] && python3 bench/gpu/corpus.py data/rotten_tomatoes/train.jsonl /tmp/corpus 100000 16
+  [ -n "$m" ] && corpus
   if [ -z "$m" ] || (( t < 45 )); then result "RESULT ftflow infer, engine $engine: skipped"; continue; fi
   log "ftflow infer, 100,000 rows, engine $engine: limit $t s"; t1=$(date +%s)
   timeout -s INT -k 10 "$t" python3 -m ftflow.cli infer "$m" /tmp/corpus "/tmp/preds-$engine" --device gpu --batch-size 256 \
