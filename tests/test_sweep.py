@@ -4,6 +4,7 @@ from its checkpoint, a worker failure in a trial survived; its finished trials n
 
 from __future__ import annotations
 
+import re
 from itertools import combinations
 from pathlib import Path
 
@@ -20,10 +21,10 @@ from test_flow import params, run_artifacts
 from test_train import checkpoint_committed
 
 from flows.sweep import sweep
-from tasks.contracts.sweep import SweepResult, TrialRecord, shown
+from tasks.contracts.sweep import SweepResult, TrialRecord
 from tasks.contracts.training import STATE_FILE, Curve, Predictions, Result
 from tasks.core import storage
-from tasks.core.sweep_config import SweepConfig, SweepParams
+from tasks.core.sweep_config import Distribution, SweepConfig, SweepParams, shown
 from tasks.core.train_config import TrainConfig
 from tasks.report.plots import sweep_curves_figure, sweep_figure
 from tasks.report.tracking import tracking_uri
@@ -87,6 +88,9 @@ def test_a_sweep_stops_the_trailing_trials_carries_the_best_on_and_continues_by_
     swept = manifest["metrics"]["sweep"]
     trials = {trial["trial_id"]: trial for trial in swept["trials"]}
     assert len(trials) == 3 and {trial["config"]["learning_rate"] for trial in trials.values()} == set(LEARNING_RATES)
+    assert swept["space"]["learning_rate"]["choice"] == LEARNING_RATES and swept["rungs"][0] == 1, (
+        "the search, as drawn"
+    )
     assert any(trial["status"] == "stopped early" for trial in trials.values()), trials
     best = trials[swept["best_trial"]]
     finished = [trial for trial in trials.values() if trial["status"] == "finished"]
@@ -133,6 +137,8 @@ def test_a_sweep_stops_the_trailing_trials_carries_the_best_on_and_continues_by_
     )
     children = client.search_runs(parent.info.experiment_id, f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
     assert sorted(child.data.tags["ftflow.trial_id"] for child in children) == sorted(trials)
+    pictures = {artifact.path for artifact in client.list_artifacts(parent.info.run_id, "report")}
+    assert {"report/sweep.png", "report/sweep-curves.png"} <= pictures, pictures
 
     # The same id again: nothing trains again, and the same trials come back.
     written = trial_state_times(summary.run_dir)
@@ -162,6 +168,12 @@ def test_a_searched_value_is_shown_as_a_person_writes_it():
         "2",
         "linear",
     ]
+    # A field's values in one notation: a learning rate's from 1e-4 to 3e-3 all in powers of ten, as the
+    # table, the progress lines and the picture's axis show them (a sweep showed 0.00252 beside 5.7e-4).
+    rates, dropouts = Distribution(loguniform=(1e-4, 3e-3)), Distribution(uniform=(0.0, 0.5))
+    assert [rates.shown(value) for value in (0.00252, 5.7e-4, 1e-3)] == ["2.52e-3", "5.7e-4", "1e-3"]
+    assert [dropouts.shown(value) for value in (0.25, 0.0)] == ["0.25", "0"]
+    assert Distribution(choice=[16, 32]).shown(16) == "16"
 
 
 def test_the_sweeps_pictures_read_and_show_the_curves_asha_judged():
@@ -180,7 +192,7 @@ def test_the_sweeps_pictures_read_and_show_the_curves_asha_judged():
         )
         for i, (rate, epoch) in enumerate(zip(rates, epochs, strict=True))
     ]
-    space = {"learning_rate": {"loguniform": [2e-5, 2e-4]}, "epochs": {"choice": [1, 2]}}
+    space = {"learning_rate": {"loguniform": [2e-5, 1e-3]}, "epochs": {"choice": [1, 2]}}
     sweep = SweepResult(
         metric="val_accuracy",
         direction="max",
@@ -205,6 +217,8 @@ def test_the_sweeps_pictures_read_and_show_the_curves_asha_judged():
     rate_axes, epoch_axes = figure.axes
     assert rate_axes.get_xscale() == "log" and epoch_axes.get_xscale() == "linear"
     assert [label.get_text() for label in epoch_axes.get_xticklabels()] == ["1", "2"]
+    rate_labels = [label.get_text() for label in rate_axes.get_xticklabels() if label.get_text()]
+    assert rate_labels and all(re.fullmatch(r"\d(\.\d+)?e-\d+", text) for text in rate_labels), rate_labels
     for picture in (figure, curves.figure):
         assert_labels_read(picture)
 

@@ -8,7 +8,7 @@ from typing import Any, Literal
 from pydantic import BaseModel
 
 from tasks.contracts.training import Result
-from tasks.core.sweep_config import Distribution, SweepConfig
+from tasks.core.sweep_config import Distribution, SweepConfig, shown
 from tasks.core.train_config import TrainConfig
 
 Ended = Literal["pending", "running", "finished", "stopped early", "failed"]
@@ -17,18 +17,6 @@ Ended = Literal["pending", "running", "finished", "stopped early", "failed"]
 def searched(sweep: SweepConfig, train: TrainConfig) -> dict:
     """The search a sweep's id stands for, as its run folder's search.json holds it."""
     return {"sweep": sweep.model_dump(mode="json"), "train": train.model_dump(mode="json")}
-
-
-def shown(value: Any) -> str:
-    """A searched field's value as the trial table and the progress lines show it: 3 significant digits,
-    and below 0.001 (or from 10,000) in powers of ten as a person writes them, 2.42e-4 and 2e-4 beside
-    2.35e-5 (Python's `.3g` gave 0.000242 beside 2.35e-05)."""
-    if not isinstance(value, float):
-        return str(value)
-    if value == 0 or 1e-3 <= abs(value) < 1e4:
-        return f"{value:.3g}"
-    mantissa, exponent = f"{value:.2e}".split("e")
-    return f"{mantissa.rstrip('0').rstrip('.')}e{int(exponent)}"
 
 
 class TrialRecord(BaseModel):
@@ -58,3 +46,7 @@ class SweepResult(BaseModel):
 
     def best(self) -> TrialRecord:
         return next(trial for trial in self.trials if trial.trial_id == self.best_trial)
+
+    def shown(self, name: str, value: Any) -> str:
+        """A field's value in its column's notation (a result recorded before `space` was, as it comes)."""
+        return self.space[name].shown(value) if name in self.space else shown(value)

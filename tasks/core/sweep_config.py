@@ -14,6 +14,18 @@ from tasks.core.strict import Strict, one_line
 from tasks.core.train_config import BETTER, Lora, Monitor, TrainConfig, task_monitor
 
 
+def shown(value: Any, powers: bool = False) -> str:
+    """A searched value as a person writes it: 3 significant digits, in powers of ten (2.42e-4, 2e-4
+    beside 2.35e-5) where `powers` says so or the value is below 0.001 or from 10,000 (Python's `.3g`
+    gave 0.000242 beside 2.35e-05)."""
+    if not isinstance(value, float):
+        return str(value)
+    if value == 0 or not powers and 1e-3 <= abs(value) < 1e4:
+        return f"{value:.3g}"
+    mantissa, exponent = f"{value:.2e}".split("e")
+    return f"{mantissa.rstrip('0').rstrip('.')}e{int(exponent)}"
+
+
 class Distribution(Strict):
     """Where one field's values are drawn from: exactly one of these."""
 
@@ -43,6 +55,13 @@ class Distribution(Strict):
             return self.choice
         low, high = self.loguniform or self.uniform
         return [low, low**0.63 * high**0.37 if self.loguniform else low + (high - low) * 0.37, high]
+
+    def shown(self, value: Any) -> str:
+        """One of this field's values, in the notation of all of them (the trial table's column, the
+        progress lines, the picture's axis): powers of ten for each where the field reaches below 0.001
+        or from 10,000, so 2.52e-3 beside 5.7e-4, not 0.00252."""
+        magnitudes = [abs(point) for point in self.points() if isinstance(point, float) and point]
+        return shown(value, powers=bool(magnitudes) and (min(magnitudes) < 1e-3 or max(magnitudes) >= 1e4))
 
     def tune(self):
         """The Ray Tune domain it is."""

@@ -12,7 +12,6 @@ from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
 from tasks.contracts.metrics import Metrics, MultiLabelMetrics, RegressionMetrics, TokenMetrics
 from tasks.contracts.sweep import SweepResult
-from tasks.contracts.sweep import shown as sweep_value
 from tasks.contracts.training import Curve, Predictions
 from tasks.core.data import Split
 from tasks.core.sweep_config import Distribution
@@ -121,13 +120,13 @@ def field_axis(axes, space: Distribution | None) -> Callable[[object], object]:
     if space is None:
         return lambda value: value
     if space.choice is not None:
-        axes.set_xticks(range(len(space.choice)), [sweep_value(value) for value in space.choice])
+        axes.set_xticks(range(len(space.choice)), [space.shown(value) for value in space.choice])
         axes.set_xlim(-0.5, len(space.choice) - 0.5)
         return space.choice.index
     if space.loguniform is not None:
         axes.set_xscale("log")
         axes.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
-        axes.xaxis.set_major_formatter(FuncFormatter(lambda value, _: sweep_value(float(value))))
+        axes.xaxis.set_major_formatter(FuncFormatter(lambda value, _: space.shown(float(value))))
         axes.xaxis.set_minor_formatter(NullFormatter())
     axes.set_xlim(*(space.loguniform or space.uniform))  # the range searched, where the trials fell in it
     return lambda value: value

@@ -15,7 +15,7 @@ from tasks.contracts.labels import Labelled
 from tasks.contracts.metrics import AnyMetrics, details_markdown
 from tasks.contracts.promotion import Decision
 from tasks.contracts.shards import TokenizedSplits
-from tasks.contracts.sweep import SweepResult, shown
+from tasks.contracts.sweep import SweepResult
 from tasks.contracts.training import Predictions, Result
 from tasks.core import layout, storage
 from tasks.core.data import Split, labelled_frames
@@ -30,7 +30,7 @@ def trial_rows(sweep: SweepResult) -> list[dict]:
     return [
         {
             "trial": f"**{trial.trial_id}**" if trial.trial_id == sweep.best_trial else trial.trial_id,
-            **{f"train.{name}": shown(trial.config[name]) for name in sweep.fields},
+            **{f"train.{name}": sweep.shown(name, trial.config[name]) for name in sweep.fields},
             "status": trial.status,
             f"last {sweep.metric}": None if trial.last is None else round(trial.last, 4),
             f"best {sweep.metric}": None if trial.best is None else round(trial.best, 4),

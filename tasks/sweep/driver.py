@@ -17,7 +17,7 @@ from ray import tune
 from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 from ray.tune.search.basic_variant import BasicVariantGenerator
 
-from tasks.contracts.sweep import Ended, SweepResult, TrialRecord, searched, shown
+from tasks.contracts.sweep import Ended, SweepResult, TrialRecord, searched
 from tasks.contracts.training import STATE_FILE, Result, TrainingJob
 from tasks.core import jobs, storage
 from tasks.core.layout import RunStore
@@ -226,7 +226,7 @@ class TrialTable(tune.Callback):
 
     def show(self, trial, status: str, trials) -> None:
         values = self.seen.get(trial.trial_id, [])
-        drawn = ", ".join(f"{name} {shown(trial.config[name])}" for name in self.sweep.fields())
+        drawn = ", ".join(f"{name} {space.shown(trial.config[name])}" for name, space in self.sweep.fields().items())
         metric = f", {self.sweep.metric} {values[-1]:.4f} (best {self.best(values):.4f})" if values else ""
         log_tick(
             jobs.log,
