@@ -63,7 +63,15 @@ class Results(BaseModel):
                     "parameters",
                     "trained_parameters",
                 },
-                "sweep": {"metric", "direction", "fields", "space", "rungs", "trials", "best_trial"},  # its best's Result is training
+                "sweep": {
+                    "metric",
+                    "direction",
+                    "fields",
+                    "space",
+                    "rungs",
+                    "trials",
+                    "best_trial",
+                },  # its best's Result is training
             },
         )
 
