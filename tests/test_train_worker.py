@@ -1,5 +1,5 @@
 """The training workers' data: every row once per epoch, equal shards, a seeded order that changes per
-epoch, batches grouped by length."""
+epoch, batches grouped by length; and a diverged loss stops training where it is read."""
 
 from __future__ import annotations
 
@@ -7,7 +7,10 @@ import json
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 import ray.train
+import torch
+import torch.distributed as dist
 from ray.train import RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -17,6 +20,7 @@ from tasks.core.train_config import TrainConfig
 from tasks.train.batches import training_batches
 from tasks.train.ingest import EqualParts, split
 from tasks.train.stream import drawn
+from tasks.train.worker import Meter
 
 
 def test_every_worker_gets_equal_micro_batches_and_every_row_once_per_epoch(ray_cluster, tmp_path):
@@ -91,3 +95,18 @@ def test_every_worker_gets_equal_micro_batches_and_every_row_once_per_epoch(ray_
         f"each group trains shortest first, in no drawn order: {groups}"
     )
     assert sum(max(step) - min(step) for step in zip(*widths, strict=True)) <= len(widths[0]), widths
+
+
+def test_a_loss_no_longer_finite_stops_training_at_its_next_log(tmp_path):
+    """bf16 trains without DeepSpeed's per-step overflow check (tasks/train/deepspeed_json.py): a diverged
+    run fails in one line where its loss is read, rather than exporting a model of NaNs."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'group'}", rank=0, world_size=1)
+    try:
+        meter, labels = Meter(torch.device("cpu"), "single_label"), torch.tensor([0, 1])
+        meter.add(torch.tensor(0.7), torch.zeros(2, 2), labels, labels)
+        assert meter.point(20, 0.25).loss == pytest.approx(0.7)
+        meter.add(torch.tensor(float("nan")), torch.zeros(2, 2), labels, labels)
+        with pytest.raises(FloatingPointError, match=r"^training diverged: the training loss is nan by step 40 "):
+            meter.point(40, 0.5)
+    finally:
+        dist.destroy_process_group()

@@ -11,6 +11,7 @@ checkpoints stay visible and configurable; transformers still does all model I/O
 from __future__ import annotations
 
 import logging
+import math
 import resource
 import time
 from collections.abc import Iterator
@@ -51,7 +52,7 @@ from tasks.train.watch import TRAINING, Pulse
 class Meter:
     """Training loss x rows, rows right and rows (tokens, for token_classification), summed on the device
     and read only every `log_every_steps` steps: no sync per batch. Also the rows per second between two
-    reads."""
+    reads. A loss no longer finite stops training at its read."""
 
     def __init__(self, device: torch.device, task: str):
         self.sums = torch.zeros(4, dtype=torch.float64, device=device)
@@ -67,6 +68,10 @@ class Meter:
         dist.all_reduce(self.sums)
         loss_x_rows, hits, counted, rows = self.sums.tolist()
         self.sums.zero_()
+        if not math.isfinite(loss_x_rows):  # every rank reads the same sums, so every rank stops here
+            raise FloatingPointError(
+                f"training diverged: the training loss is {loss_x_rows} by step {step} (lower train.learning_rate)"
+            )
         now = time.perf_counter()
         self.read_at, self.rows_per_s = now, rows / (now - self.read_at)
         accuracy = hits / max(counted, 1) if self.task != "regression" else None
