@@ -102,6 +102,9 @@ declare -A RUN=([default]="230 120" [zero2-b256]="170 100 --set train.zero_stage
   [zero3-b256]="170 100 --set train.zero_stage=3 --set train.batch_size=256"
   [zero2-b256-nocheck]="170 100 --set train.zero_stage=2 --set train.batch_size=256
     --set train.deepspeed={\"bf16\":{\"check_grad_overflow\":false}}"
+  [default-zero1]="170 100 --set train.zero_stage=1"
+  [default-autocast]="170 100 --set train.precision=fp32
+    --set train.deepspeed={\"torch_autocast\":{\"enabled\":true,\"dtype\":\"bfloat16\"}}"
   [offload]="170 120 --set train.zero_stage=3 --set train.offload_optimizer=true --set train.offload_params=true
     --set train.activation_offload=true --set train.max_steps=10")
 for step in $STEPS; do [ -n "${RUN[$step]:-}" ] && ft "$step" ${RUN[$step]}; done
