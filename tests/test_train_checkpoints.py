@@ -1,11 +1,14 @@
 """The checkpoint policy's decisions on a validation curve (tasks/train/checkpoints.py), as a resumed
-run makes them from the curve its checkpoint holds."""
+run makes them from the curve its checkpoint holds; the exported model's precision."""
 
 from __future__ import annotations
 
+import pytest
+import torch
+
 from tasks.contracts.training import SCORE, UNVALIDATED, Curve, Point
 from tasks.core.train_config import TrainConfig
-from tasks.train.checkpoints import CheckpointPolicy
+from tasks.train.checkpoints import CheckpointPolicy, export_dtype
 
 
 def curve_of(accuracies: list[float]) -> Curve:
@@ -46,3 +49,20 @@ def test_a_report_ranks_a_validated_step_by_its_score_and_any_other_below_all():
     validated = policy.reported(curve, 20, 0.2, validated=True)
     assert validated[SCORE] == 0.75 and validated["val_accuracy"] == 0.75 and validated["evaluations"] == 2
     assert policy.reported(curve, 25, 0.25, validated=False)[SCORE] == UNVALIDATED
+
+
+@pytest.mark.parametrize(
+    ("setting", "trained_in", "params", "exported"),
+    [
+        ("auto", "bf16", 10**8, torch.float32),  # loads in fp32 by default, as CPUs serve it best
+        ("auto", "bf16", 8 * 10**9, torch.bfloat16),  # half the disk and host memory
+        ("auto", "fp16", 10**9, torch.float16),
+        ("auto", "fp32", 8 * 10**9, torch.float32),  # nothing to halve without rounding
+        ("fp32", "bf16", 8 * 10**9, torch.float32),
+        ("bf16", "fp32", 10**8, torch.bfloat16),
+    ],
+)
+def test_the_export_is_fp32_below_a_billion_parameters_else_as_trained_unless_asked(
+    setting, trained_in, params, exported
+):
+    assert export_dtype(setting, trained_in, params) == exported

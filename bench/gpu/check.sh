@@ -173,7 +173,7 @@ done
 # largest (only when named): bench/largest.py (issue 56), the largest Llama-style model each one-GPU strategy
 # trains, its weights drawn on the device from a config (model.init: random), bf16, full and LoRA: the whole
 # job per size. LARGEST_ONLY and LARGEST_SIZES replace its strategies and ladder. The disk (64 GiB) bounds
-# what completes: a full fine-tuning checkpoint takes ~16 bytes a parameter, an export 4 (fp32).
+# what completes: a full fine-tuning checkpoint takes ~16 bytes a parameter, an export 2 (bf16 from 1B parameters).
 if want largest; then t=$(allow 560 0); log "largest: limit $t s"
   timeout -s INT -k 15 "$t" python3 bench/largest.py --only "${LARGEST_ONLY:-zero3-1w-offload,lora-zero3-1w}" \
     --sizes "${LARGEST_SIZES:-1.0B,2.9B,8.2B,14B,30B}" > "$O/largest.txt" 2>&1

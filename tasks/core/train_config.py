@@ -114,6 +114,12 @@ class TrainConfig(Strict):
     )
     activation_offload: bool = Field(False, description="Move saved activations to CPU memory (GPU only).")
     precision: Literal["auto", "fp32", "fp16", "bf16"] = Field("auto", description="auto: bf16 on GPU, fp32 on CPU.")
+    export_precision: Literal["auto", "fp32", "fp16", "bf16"] = Field(
+        "auto",
+        description="The exported model's weights. auto: fp32 (what transformers loads by default, fastest on "
+        "CPUs) below 1B parameters or where training ran in fp32; else the training's 16-bit precision, half "
+        "the disk and the host memory (a 30B model's fp32 export is 120 GB).",
+    )
     epochs: int = Field(1, ge=1)
     max_steps: int | None = Field(
         None,

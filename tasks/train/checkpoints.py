@@ -86,22 +86,39 @@ def resume(engine, channel: str | None) -> tuple[Progress, np.ndarray]:
     return progress, trained
 
 
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# From here an fp32 export is more than a CPU serves well, and its host memory on rank 0 counts: 4 bytes
+# a parameter, beside the 16-bit gathered weights (bench/RESULTS.md: an 8.2B model's export took 104 s).
+LARGE_MODEL_PARAMS = 10**9
+
+
+def export_dtype(setting: str, trained_in: str, params: int) -> torch.dtype:
+    """train.export_precision resolved: auto is fp32 for models under LARGE_MODEL_PARAMS or trained in fp32
+    (a 16-bit model loads as one by default, 2.4x slower on a CPU in bf16; evaluation and inference choose
+    their own precision at load), else the precision it trained in."""
+    if setting == "auto":
+        setting = "fp32" if params < LARGE_MODEL_PARAMS else trained_in
+    return DTYPES[setting]
+
+
 def export(replica: Replica, tokenizer, spec: WorkerSpec, result: Result) -> None:
     """Rank 0 writes the consolidated HF model folder straight into the run's storage (the driver
-    never downloads checkpoint shards); where the parameters are split every rank joins the gather.
-    The weights are saved in fp32 whatever the training precision: a bf16 or fp16 engine's weights
-    saved as they are would load as a bf16/fp16 model by default, 2.4x slower on a CPU (bf16), and
-    evaluation and inference choose their own precision at load."""
+    never downloads checkpoint shards), in train.export_precision; where the parameters are split every
+    rank joins the gather."""
     model, weights = replica.exported()
     if dist.get_rank() == 0:
         weights = weights or model.state_dict()
+        trained_in = precision_of(replica.engine)
+        dtype = export_dtype(
+            spec.train.export_precision, trained_in, sum(tensor.numel() for tensor in weights.values())
+        )
         if spec.train.lora:  # one folder with the adapters merged into the frozen weights
-            rounded = spec.init == "pretrained" and precision_of(replica.engine) != "fp32"
+            rounded = spec.init == "pretrained" and DTYPES[trained_in].itemsize < dtype.itemsize
             checkpoint = loaded(spec, tokenizer.pad_token_id)[0] if rounded else None
             model, weights = merged(model, weights, spec.adapter_uri, checkpoint)
-        weights = {name: tensor.float() if tensor.is_floating_point() else tensor for name, tensor in weights.items()}
+        weights = {name: tensor.to(dtype) if tensor.is_floating_point() else tensor for name, tensor in weights.items()}
         config = copy.deepcopy(model.config)
-        config.dtype = torch.float32  # transformers takes the saved dtype from the module's parameters
+        config.dtype = dtype  # transformers takes the saved dtype from the module's parameters
         # What it is (a token classifier, a sequence classifier), as model.save_pretrained writes it: the copy
         # keeps the architecture of the checkpoint it was loaded from, a base model's or another head's.
         config.architectures = [type(model).__name__]
