@@ -26,7 +26,10 @@ def test_a_range_of_workers_grows_as_a_node_comes_and_goes_on_with_fewer_when_on
 ):
     port, token = free_port(), secrets.token_hex(32)
     secured = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}
-    head = start_ray_head(port, secured, "--num-cpus", "0", dashboard=free_port())
+    # Ray's GCS marks a node dead after 5 failed health checks 3 s apart: 1.5 s here, before the failure is
+    # relayed (test_watch holds the other order), and the lost node is named all the same
+    quick = {"RAY_health_check_period_ms": "500", "RAY_health_check_failure_threshold": "3"}
+    head = start_ray_head(port, {**secured, **quick}, "--num-cpus", "0", dashboard=free_port())
     # one training worker and the CPU Ray Data's split of the training stream holds; a third node: room for two
     nodes = [start_node(port, secured, tmp_path / f"node-{n}.log") for n in range(2)]
     driver = {**secured, "RAY_ADDRESS": f"127.0.0.1:{port}", **session_prefect()}

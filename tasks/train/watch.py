@@ -118,7 +118,9 @@ class FailureRelay(UserCallback):
 
     def __init__(self, channel: str, max_failures: int):
         self.channel, self.attempts, self.failures = channel, max_failures + 1, 0
-        self.lost_nodes: set[str] = set()  # said once: Ray Train polls a group with a preempted node until its deadline
+        # Each lost node said once: Ray Train polls a group with a preempted node until its deadline, and a
+        # group's heartbeats stay on the channel after it (a later failure's snapshot holds them).
+        self.lost_nodes: set[str] = set()
         # None until this controller commits one: a resumed run's latest is from before it started
         self.checkpoint_step: int | None = None
 
@@ -158,16 +160,17 @@ class FailureRelay(UserCallback):
     def watch_for_lost_nodes(self) -> None:
         """A node lost without notice fails its peers' collectives before Ray's health check finds its own
         worker gone, so the line above names a survivor's error (gloo's 'Connection reset by peer', in
-        every run of bench/lost_node.py), and Ray's GCS says the node is dead seconds later: the lost
-        node is said then, from a thread of this controller, for as long as LOST_NODE_WAIT_S."""
-        group, gone_before = beats(self.channel), dead_nodes()
-        threading.Thread(target=self.say_lost_nodes, args=(group, gone_before), daemon=True).start()
+        every run of bench/lost_node.py), and Ray's GCS says the node is dead seconds later (or before: its
+        health checks may be the quicker): the lost node is said then, from a thread of this controller,
+        for as long as LOST_NODE_WAIT_S."""
+        threading.Thread(target=self.say_lost_nodes, args=(beats(self.channel),), daemon=True).start()
 
-    def say_lost_nodes(self, group: dict[int, Beat], gone_before: set[str]) -> None:
+    def say_lost_nodes(self, group: dict[int, Beat]) -> None:
         deadline = time.monotonic() + LOST_NODE_WAIT_S
         while time.monotonic() < deadline:
-            gone = dead_nodes() - gone_before
+            gone = dead_nodes() - self.lost_nodes
             lost = [heard for heard in group.values() if heard.node_id in gone]
+            self.lost_nodes |= {heard.node_id for heard in lost}
             for heard in lost:
                 say(
                     self.channel,
