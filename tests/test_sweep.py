@@ -221,6 +221,16 @@ def test_the_sweeps_pictures_read_and_show_the_curves_asha_judged():
     assert rate_labels and all(re.fullmatch(r"\d(\.\d+)?e-\d+", text) for text in rate_labels), rate_labels
     for picture in (figure, curves.figure):
         assert_labels_read(picture)
+    assert [text.get_text() for text in rate_axes.get_legend().get_texts()] == ["finished", "stopped early", "best: t2"]
+    # a sweep no scheduler cut short says nothing of stopping
+    finished = sweep.model_copy(
+        update={"trials": [trial.model_copy(update={"status": "finished"}) for trial in trials]}
+    )
+    assert [text.get_text() for text in sweep_figure(finished).axes[0].get_legend().get_texts()] == [
+        "finished",
+        "best: t2",
+    ]
+    assert sweep_curves_figure(finished).axes[0].get_title() == "each trial's evaluations"
 
 
 def assert_labels_read(figure) -> None:

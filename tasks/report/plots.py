@@ -57,14 +57,16 @@ def sweep_plot(sweep: SweepResult) -> bytes:
 
 
 def sweep_figure(sweep: SweepResult) -> Figure:
-    """Each trial's best validation metric against each searched field, stopped trials hollow, the best
-    trial marked: a choice field's values as categories, a log-uniform one's on a log axis."""
+    """Each trial's best validation metric against each searched field, stopped trials hollow (in the
+    legend where there are some), the best trial marked: a choice field's values as categories, a
+    log-uniform one's on a log axis."""
     figure = Figure(figsize=(5 * len(sweep.fields), 3.8))
     scored = [trial for trial in sweep.trials if trial.best is not None]
     for axes, name in zip(figure.subplots(1, len(sweep.fields), squeeze=False)[0], sweep.fields, strict=True):
         place = field_axis(axes, sweep.space.get(name))
         for status, style in (("finished", {}), ("stopped early", {"facecolors": "none"})):
-            shown = [trial for trial in scored if trial.status == status]
+            if not (shown := [trial for trial in scored if trial.status == status]):
+                continue
             axes.scatter(
                 [place(trial.config[name]) for trial in shown],
                 [trial.best for trial in shown],
@@ -104,7 +106,9 @@ def sweep_curves_figure(sweep: SweepResult) -> Figure:
         )
         if trial.status == "stopped early":
             axes.plot(evaluations[-1], values[-1], "x", color="black", markersize=10)
-    axes.set(xlabel="evaluation", ylabel=sweep.metric, title="each trial's evaluations (x: stopped by the scheduler)")
+    stopped = any(trial.status == "stopped early" for trial in sweep.trials)
+    title = "each trial's evaluations" + (" (x: stopped by the scheduler)" if stopped else "")
+    axes.set(xlabel="evaluation", ylabel=sweep.metric, title=title)
     axes.xaxis.get_major_locator().set_params(integer=True)
     axes.grid(alpha=0.3)
     axes.legend(fontsize="small")
