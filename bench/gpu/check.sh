@@ -100,8 +100,8 @@ ft(){ local name=$1 cap=$2 train_s=$3; shift 3
   stop_ray; }
 declare -A RUN=([default]="230 120" [zero2-b256]="170 100 --set train.zero_stage=2 --set train.batch_size=256"
   [zero3-b256]="170 100 --set train.zero_stage=3 --set train.batch_size=256"
-  [zero2-b256-nocheck]="170 100 --set train.zero_stage=2 --set train.batch_size=256
-    --set train.deepspeed={\"bf16\":{\"check_grad_overflow\":false}}"
+  [zero2-b256-check]="170 100 --set train.zero_stage=2 --set train.batch_size=256
+    --set train.deepspeed={\"bf16\":{\"check_grad_overflow\":true}}"
   [default-zero1]="170 100 --set train.zero_stage=1"
   [default-autocast]="170 100 --set train.precision=fp32
     --set train.deepspeed={\"torch_autocast\":{\"enabled\":true,\"dtype\":\"bfloat16\"}}"
