@@ -59,7 +59,7 @@ def stop_raylet_once_answered(node: subprocess.Popen, said: Path, run: subproces
     SIGTERMed. Ray then calls the node's death an expected termination, not a preemption (at the deadline
     itself it is a coin toss between the two: src/ray/raylet/main.cc); ftflow's reading is what is held."""
     while "a preemption notice for node" not in said.read_text() and run.poll() is None:
-        time.sleep(0.2)
+        time.sleep(0.05)
     [raylet] = [p for p in psutil.Process(node.pid).children(recursive=True) if p.name() == "raylet"]
     raylet.send_signal(signal.SIGTERM)
 

@@ -13,6 +13,12 @@ The workers agree by an all-reduce of one flag per optimizer step, over a gloo g
 the host, so that a GPU run does not wait for its device every step. Ray's public way,
 ray.train.get_preemption_info, is a round trip through a Ray actor at every call; the notice it
 agrees on is the one each worker holds, read here directly (Ray Train offers no other read of it).
+
+Once a notice is answered, a checkpoint counts only when Ray Train's controller holds every worker's report
+of it (Notice.handed_over): ray.train.report returns once the report is queued in the worker, and the
+controller takes it at its next poll (every 0.5 s, tasks/train/driver.py). A node that went in between took
+its rank's report with it, the checkpoint was never committed, and the run went back to step 0: once in
+four CI runs of test_preemption, whose node goes the moment the notice is answered.
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ import time
 import torch
 import torch.distributed as dist
 from ray.train.v2._internal.execution.context import get_train_context
+
+HANDOVER_S = 10.0  # the longest a worker waits for the controller to take its reports (it polls every 0.5 s)
 
 
 class Notice:
@@ -40,6 +48,16 @@ class Notice:
         dist.all_reduce(self.flag, op=dist.ReduceOp.MAX, group=self.group)
         self.answered = bool(self.flag[0])
         return self.answered
+
+    def handed_over(self) -> None:
+        """After a notice, returns once Ray Train's controller has taken every worker's reports (Ray Train's
+        worker marks a report done when its poll takes it), or after HANDOVER_S; at once before any notice."""
+        if not self.answered:
+            return
+        reports = get_train_context().get_result_queue()
+        with reports.all_tasks_done:
+            reports.all_tasks_done.wait_for(lambda: not reports.unfinished_tasks, timeout=HANDOVER_S)
+        dist.barrier(group=self.group)
 
 
 def described() -> str:

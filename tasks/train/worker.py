@@ -19,6 +19,7 @@ from concurrent.futures import Future
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
+import numpy as np
 import ray
 import ray.train
 import ray.train.torch
@@ -44,7 +45,7 @@ from tasks.train.lora import parameter_counts
 from tasks.train.passes import EpochPass, TrainedRows, rest_of_epoch
 from tasks.train.preemption import Notice, described
 from tasks.train.replica import on
-from tasks.train.spec import WorkerSpec, at_world_size
+from tasks.train.spec import Progress, WorkerSpec, at_world_size
 from tasks.train.stream import drawn
 from tasks.train.watch import TRAINING, Pulse
 
@@ -264,7 +265,7 @@ class Recipe:
         self.pulse("checkpointing", self.engine.global_steps)
         saving_from = time.perf_counter()
         mid_epoch = self.progress.model_copy(update={"epoch": epoch, "rows_done": self.rows_done(stats)}, deep=True)
-        save(self.engine, mid_epoch, metrics, self.trained.gathered())
+        self.save(mid_epoch, metrics, self.trained.gathered())
         stats.checkpoint_seconds.append(time.perf_counter() - saving_from)
 
     def rows_done(self, stats: EpochStats) -> int:
@@ -300,7 +301,12 @@ class Recipe:
         )
         self.pulse("checkpointing", self.engine.global_steps)
         reported = self.policy.reported(self.progress.curve, self.engine.global_steps, record.epoch, validated=True)
-        save(self.engine, self.progress, reported | record.model_dump(), None if whole else self.trained.gathered())
+        self.save(self.progress, reported | record.model_dump(), None if whole else self.trained.gathered())
+
+    def save(self, progress: Progress, metrics: dict, trained: np.ndarray | None) -> None:
+        """A checkpoint reported; after a preemption notice, held by Ray Train's controller on return."""
+        save(self.engine, progress, metrics, trained)
+        self.notice.handed_over()
 
     def epoch_record(self, epoch: int, stats: EpochStats) -> EpochRecord:
         elapsed = time.perf_counter() - stats.first_done - stats.paused
