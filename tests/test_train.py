@@ -277,6 +277,18 @@ def test_the_last_failed_attempt_fails_with_the_workers_own_exception(tokenized,
     ]
 
 
+def test_a_diverged_run_stops_at_once_without_a_retry_or_an_export(tokenized, tiny_model, said):
+    """A loss no longer finite is the settings' fault: retried from the last checkpoint, the same rows
+    would diverge again (tasks/train/worker.py `Diverged`)."""
+    root, uris = tokenized
+    run_dir = Path(root) / "runs" / "diverged"
+    cfg = TrainConfig(epochs=1, max_steps=20, batch_size=16, num_workers=2, learning_rate=1e10, log_every_steps=5)
+    with pytest.raises(FloatingPointError, match=r"^training diverged: the training loss is nan by step \d+ "):
+        fit(uris, tiny_model, cfg, run_dir)
+    assert not [message for _, _, message in said if "failed" in message], "no attempt was retried"
+    assert not (run_dir / "model").exists()
+
+
 def test_a_stalled_run_writes_a_stall_report_and_says_where_it_is(tokenized, tiny_model, monkeypatch, said):
     """A worker that hangs: within stall_warning_s the report is written and one warning names the
     phase and the top stack frame; the run goes on once the worker does."""

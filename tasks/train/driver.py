@@ -219,10 +219,10 @@ def run(trainer: Trainer, spec: WorkerSpec, train_dir: str) -> None:
 
 
 def fitted(fit: Future, spec: WorkerSpec) -> None:
-    """fit()'s end, its failures in the words of what failed: the worker's own exception, or the
-    cluster that made no room for the workers."""
+    """fit()'s end, its failures in the words of what failed: the worker's own exception, the cluster
+    that made no room for the workers, or a loss no longer finite."""
     try:
-        fit.result()
+        diverged = fit.result().return_value  # rank 0's (tasks/train/worker.py `train_worker`)
     except WorkerGroupError as error:  # the last attempt failed: the worker's own exception, not Ray's wrapper
         raise worker_exception(error) from None
     except ControllerError as error:
@@ -234,6 +234,8 @@ def fitted(fit: Future, spec: WorkerSpec) -> None:
             f"{gpu} each within wait_for_workers_s={spec.train.wait_for_workers_s:g}: no node can hold one, or none was "
             "added in time; see `ray status`"
         ) from None
+    if diverged:
+        raise FloatingPointError(diverged)
 
 
 def warn_spread_groups(logger: logging.Logger, result: Result, tp: int) -> None:

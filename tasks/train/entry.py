@@ -14,8 +14,9 @@ if TYPE_CHECKING:
     from tasks.train.spec import WorkerSpec
 
 
-def train_worker(spec: WorkerSpec) -> None:
-    """The driver binds the spec (functools.partial): Ray Train calls it with no argument."""
+def train_worker(spec: WorkerSpec) -> str | None:
+    """The driver binds the spec (functools.partial): Ray Train calls it with no argument. Returns why
+    training diverged, or None (tasks/train/worker.py `train_worker`)."""
     from tasks.train.stream import first_epoch_started
 
     first_epoch = first_epoch_started(spec.plan.micro_batch, spec.train)
@@ -25,4 +26,4 @@ def train_worker(spec: WorkerSpec) -> None:
     sys.modules.setdefault("mlflow", None)
     from tasks.train.worker import train_worker as run
 
-    run(spec, first_epoch)
+    return run(spec, first_epoch)

@@ -50,6 +50,12 @@ from tasks.train.stream import drawn
 from tasks.train.watch import TRAINING, Pulse
 
 
+class Diverged(FloatingPointError):
+    """A training loss no longer finite: the run's settings at fault, not a worker. Raised in a worker it
+    would be a worker failure, which Ray Train retries from the last checkpoint (it offers no failure it
+    does not retry), and the same seeded rows would diverge again, max_failures times."""
+
+
 class Meter:
     """Training loss x rows, rows right and rows (tokens, for token_classification), summed on the device
     and read only every `log_every_steps` steps: no sync per batch. Also the rows per second between two
@@ -70,7 +76,7 @@ class Meter:
         loss_x_rows, hits, counted, rows = self.sums.tolist()
         self.sums.zero_()
         if not math.isfinite(loss_x_rows):  # every rank reads the same sums, so every rank stops here
-            raise FloatingPointError(
+            raise Diverged(
                 f"training diverged: the training loss is {loss_x_rows} by step {step} (lower train.learning_rate)"
             )
         now = time.perf_counter()
@@ -115,14 +121,19 @@ def tick(point: Point, max_steps: int, samples_per_s: float) -> Tick:
     )
 
 
-def train_worker(spec: WorkerSpec, first_epoch: Future[Iterator[dict]] | None = None) -> None:
+def train_worker(spec: WorkerSpec, first_epoch: Future[Iterator[dict]] | None = None) -> str | None:
     """A Ray Train worker: training, its heartbeats posted on the driver's channel (the last one
     exactly, if it fails). `first_epoch`: the first epoch's rows, already being read
-    (tasks/train/stream.py)."""
+    (tasks/train/stream.py). Returns why training diverged, or None: rank 0's reaches the driver
+    (Ray Train's Result.return_value), which raises it (tasks/train/driver.py `fitted`)."""
     context = ray.train.get_context()
     spec = at_world_size(spec, context.get_world_size())  # a range of num_workers: this group's size
     with Pulse(spec.channel, context.get_world_rank()).beating() as pulse:
-        Recipe(spec, spec.channel, pulse).train(first_epoch)
+        try:
+            Recipe(spec, spec.channel, pulse).train(first_epoch)
+        except Diverged as diverged:
+            return str(diverged)
+    return None
 
 
 @dataclass

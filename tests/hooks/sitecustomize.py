@@ -71,12 +71,12 @@ def hook_worker(module) -> None:
         return
     train_worker = module.train_worker
 
-    def checked(spec, first_epoch=None) -> None:
+    def checked(spec, first_epoch=None) -> str | None:
         import ray.train.torch
         from devices import check_collectives
 
         check_collectives(ray.train.torch.get_device())
-        train_worker(spec, first_epoch)
+        return train_worker(spec, first_epoch)
 
     module.train_worker = checked
 
