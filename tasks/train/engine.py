@@ -5,6 +5,7 @@ it (tasks/train/replica.py). Worker side: imports no Prefect."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import warnings
 from datetime import timedelta
@@ -181,8 +182,20 @@ def setup(spec: WorkerSpec, pulse: Pulse) -> tuple:
     stages = spec.train.pipeline_parallel_size
     module, names = pipeline.stages(model, stages, spec.train.activation_checkpointing) if stages > 1 else (model, None)
     pulse("building the DeepSpeed engine")  # its first collective (broadcasting the weights) is NCCL's first connection
+    cpu_probed_once()
     engine, *_ = deepspeed.initialize(model=module, model_parameters=param_groups(module), config=spec.deepspeed)
     return engine, device, tokenizer, Replica(engine, spec.plan.accumulation, model.config, names)
+
+
+def cpu_probed_once() -> None:
+    """py-cpuinfo's get_cpu_info, kept after its first answer. It runs CPUID in a fresh subprocess (1.15 s
+    here), and DeepSpeed asks it three times to load its CPU Adam op and once more per optimizer: 4.5 s
+    of an offloaded worker's start, 1.1 s after this. Written here because neither library caches it,
+    and the CPU under a process does not change."""
+    import cpuinfo
+
+    if not hasattr(cpuinfo.get_cpu_info, "cache_info"):
+        cpuinfo.get_cpu_info = functools.cache(cpuinfo.get_cpu_info)
 
 
 def engine_line(engine, device: torch.device, seconds: float) -> str:
