@@ -103,6 +103,14 @@ def ray_cluster(s3_endpoint):
     ray.shutdown()
 
 
+def cpus_freed(ray, within_s: float, holders: str) -> None:
+    """Every CPU of the cluster free within `within_s` seconds, else a failure naming who holds them."""
+    deadline = time.monotonic() + within_s
+    while ray.available_resources().get("CPU") != ray.cluster_resources()["CPU"]:
+        assert time.monotonic() < deadline, f"{holders} still hold CPUs: {ray.available_resources()}"
+        time.sleep(0.5)
+
+
 def wait_for_port(port: int) -> None:
     for _ in range(100):
         try:

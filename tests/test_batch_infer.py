@@ -15,7 +15,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import BATCH_INFER, run_batch_infer, session_prefect, write_jsonl
+from conftest import BATCH_INFER, cpus_freed, run_batch_infer, session_prefect, write_jsonl
 from prefect import flow
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, LogFilter, LogFilterFlowRunId
@@ -272,3 +272,14 @@ def test_a_job_killed_mid_way_and_run_again_labels_every_row_once(ray_stopped, t
     assert ids.is_unique and set(ids) == {f"d{i}" for i in range(files * per_file)}
     marker = json.loads((output / MARKER).read_text())
     assert layout.OutputFolder(str(output)).files() == {*marker["files"], MARKER}
+
+
+def test_a_job_past_its_timeout_fails_marks_nothing_complete_and_frees_its_actors(ray_cluster, tiny_model, tmp_path):
+    """timeout_s stops a job mid-way: it fails saying so, its output has no marker, and its actors'
+    CPUs are free again (Ray Data leaves a stopped pipeline's actors to the garbage collector)."""
+    write_jsonl(tmp_path / "corpus.jsonl", [{"text": f"film {i} was fun"} for i in range(200_000)])
+    output = tmp_path / "labels"
+    with pytest.raises(TimeoutError, match="timed out after 10"):
+        run_batch_infer(str(tiny_model), str(tmp_path / "corpus.jsonl"), str(output), actors=2, timeout_s=10)
+    assert not (output / MARKER).exists()
+    cpus_freed(ray_cluster, 10, "the stopped job's actors")

@@ -14,7 +14,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import ray
-from conftest import BUCKET, S3_KEY, S3_SECRET, write_jsonl
+from conftest import BUCKET, S3_KEY, S3_SECRET, cpus_freed, write_jsonl
 from PIL import Image
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import (
@@ -320,12 +320,9 @@ def test_training_past_its_timeout_fails_and_frees_the_cluster(ray_cluster, tiny
     with pytest.raises(TimeoutError, match="timed out after 15"):
         finetune(run_params)
     assert time.monotonic() - started < 90, "the timeout did not stop training"
-    deadline = time.monotonic() + 30
-    while ray_cluster.available_resources().get("CPU") != ray_cluster.cluster_resources()["CPU"]:
-        assert time.monotonic() < deadline, f"training workers still hold CPUs: {ray_cluster.available_resources()}"
-        time.sleep(1)
+    cpus_freed(ray_cluster, 30, "training workers")
     time.sleep(5)  # and no controller left to start them again
-    assert ray_cluster.available_resources().get("CPU") == ray_cluster.cluster_resources()["CPU"]
+    cpus_freed(ray_cluster, 0, "training workers started again")
 
 
 def test_a_timeout_that_lands_inside_ray_reads_as_the_timeout(ray_cluster):

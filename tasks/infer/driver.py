@@ -3,6 +3,7 @@ model actors (tasks/infer/worker.py) labelling the input files a part at a time,
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -42,7 +43,7 @@ def labelled(model_uri: str, cfg: InferenceConfig, output_uri: str) -> Labelled:
     # Ray Data waits for an actor pool's replicas forever unless told otherwise: a pool no node can
     # hold (or that the autoscaler does not add in time) fails instead, below.
     DataContext.get_current().wait_for_min_actors_s = cfg.wait_for_actors_s
-    with logging_progress(parts, jobs.log) as channel, pool_failures(actors, cpus, gpus, cfg.wait_for_actors_s):
+    with logging_progress(parts, jobs.log) as channel:
         labeller = {
             "model_uri": model_uri,
             "output": storage.pyarrow_filesystem(output_uri),
@@ -51,15 +52,7 @@ def labelled(model_uri: str, cfg: InferenceConfig, output_uri: str) -> Labelled:
             "threads": max(1, round(cpus)),
             "channel": channel,
         }
-        ray.data.from_items([asdict(part) for part in parts], override_num_blocks=len(parts)).map_batches(
-            Labeller,
-            fn_constructor_kwargs=labeller,
-            batch_size=1,  # a part per call
-            batch_format="pandas",
-            compute=ray.data.ActorPoolStrategy(size=actors),
-            num_cpus=cpus,
-            num_gpus=gpus,
-        ).materialize()
+        label_all(parts, labeller, actors, cpus, gpus, cfg.wait_for_actors_s)
     seconds = time.perf_counter() - started
     rows = completed(output, job, files, model_uri, cfg.model_copy(update={"text_column": cfg.text_column or "text"}))
     return said(
@@ -125,31 +118,57 @@ def cut_in_parts(sizes: dict[str, int], actors: int, fmt: str = "auto") -> list[
     return parts
 
 
-@contextmanager
-def pool_failures(actors: int, cpus: float, gpus: int, wait_s: float) -> Iterator[None]:
-    """Ray Data's timeout on starting the actor pool as one line saying what did not come, and any
-    failure raised again without Ray Data's frames: they hold the actor pool's handles, and Prefect
-    keeps a failed run's exception, so the actors and their CPUs outlived the job (seen: after a
-    part failed to parse, the next job on the same Ray waited for CPUs until wait_for_actors_s)."""
+def label_all(parts: list[Part], labeller: dict, actors: int, cpus: float, gpus: int, wait_s: float) -> None:
+    """The parts through one Ray Data pipeline of `actors` Labellers. When it fails, its actors are
+    gone by the time this raises, and the error carries no frames.
+
+    Ray Data drops a failed pipeline's actors rather than killing them, and its executor keeps the
+    handles of tasks still in flight in reference cycles that only a full garbage collection frees.
+    An error that kept Ray Data's frames (as its traceback, or as the error it was raised while
+    handling; Prefect keeps a failed run's error) kept them for good. Seen in the suite: a failed
+    job's actor held its 2 CPUs for 61 s, and a timed-out pool's for 20 min, while the next jobs
+    waited for them. Hence the error stripped and raised outside the `except`, after a collection.
+    A @contextmanager can't do it: its re-raise restores the error's traceback."""
     try:
-        yield
+        ray.data.from_items([asdict(part) for part in parts], override_num_blocks=len(parts)).map_batches(
+            Labeller,
+            fn_constructor_kwargs=labeller,
+            batch_size=1,  # a part per call
+            batch_format="pandas",
+            compute=ray.data.ActorPoolStrategy(size=actors),
+            num_cpus=cpus,
+            num_gpus=gpus,
+        ).materialize()
+        return
     except ray.exceptions.GetTimeoutError as error:
-        if "Timed out while starting actors" not in str(error):
-            raise without_frames(error) from None
-        raise RuntimeError(
-            f"the Ray cluster did not start {actors} inference actor(s) of {cpus:.2g} CPU{f' and {gpus} GPU' if gpus else ''} "
-            f"each within wait_for_actors_s={wait_s:g}: no node can hold one, or none was added in time; "
-            "see `ray status`"
-        ) from None
-    except Exception as error:  # noqa: BLE001 -- raised again, without Ray Data's frames
-        raise without_frames(error) from None
+        failure = (
+            pool_not_started(actors, cpus, gpus, wait_s) if "Timed out while starting actors" in str(error) else error
+        )
+    except BaseException as error:  # noqa: BLE001 -- raised below; a cancellation (timeout_s) leaves actors too
+        failure = error
+    failure = without_frames(failure)
+    gc.collect()
+    raise failure
 
 
-def without_frames(error: Exception) -> Exception:
-    """The error with no traceback and no context: the exception Ray Data was handling when it
-    raised this one holds its frames too."""
-    error.__context__ = None
-    return error.with_traceback(None)
+def pool_not_started(actors: int, cpus: float, gpus: int, wait_s: float) -> RuntimeError:
+    """Ray Data's timeout on starting the actor pool, as what did not come."""
+    return RuntimeError(
+        f"the Ray cluster did not start {actors} inference actor(s) of {cpus:.2g} CPU{f' and {gpus} GPU' if gpus else ''} "
+        f"each within wait_for_actors_s={wait_s:g}: no node can hold one, or none was added in time; "
+        "see `ray status`"
+    )
+
+
+def without_frames(error: BaseException) -> BaseException:
+    """The error, and each one in its chain, with no traceback, and no context (the error that was
+    being handled when it was raised): only their words travel on."""
+    error.__context__, link, seen = None, error, set()
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        link.__traceback__ = None
+        link = link.__cause__ or link.__context__
+    return error
 
 
 def estimated_rows(sizes: dict[str, int], fmt: str = "auto") -> float:
