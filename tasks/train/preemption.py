@@ -18,7 +18,7 @@ Once a notice is answered, a checkpoint counts only when Ray Train's controller 
 of it (Notice.handed_over): ray.train.report returns once the report is queued in the worker, and the
 controller takes it at its next poll (every 0.5 s, tasks/train/driver.py). A node that went in between took
 its rank's report with it, the checkpoint was never committed, and the run went back to step 0: once in
-four CI runs of test_preemption, whose node goes the moment the notice is answered.
+four CI runs of the preemption test (tests/test_elastic.py), whose node goes the moment the notice is answered.
 """
 
 from __future__ import annotations
