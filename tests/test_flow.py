@@ -207,18 +207,39 @@ def test_finetune_on_local_storage(local_run, small_data):
     )
 
 
-def test_finetune_on_s3_survives_faults_and_leaks_no_credential(faulty_s3, tiny_model, s3_data, capfd):
+def test_finetune_on_s3_survives_faults_and_a_failure_and_leaks_no_credential(faulty_s3, tiny_model, s3_data, capfd):
     """One S3 request in ten fails (500, 503 SlowDown, a dropped connection): every stage rides them
-    out and the run is whole. Every log line (the console, Prefect's, Ray's files), every artifact, and
-    every byte stored (manifest, report, checkpoints and their metadata, model, predictions) is free of
-    the key and secret, the lines about the failed requests included. (One run proves both: a
-    credential is likeliest to slip into a log in an error's message.)"""
+    out. A worker killed with no restarts left fails the flow run; Prefect retries it (as a deployment's
+    `retries` or the UI's Retry do), and the retry continues the same run folder from the last
+    checkpoint: one run, one manifest, every step of the curve once. Every log line (the console,
+    Prefect's, Ray's files), every artifact, and every byte stored (manifest, report, checkpoints and
+    their metadata, model, predictions) is free of the key and secret, the lines about the failed
+    requests and the failed flow run included. (One run proves it all: a credential is likeliest to slip
+    into a log in an error's message.)"""
     root = f"s3://{BUCKET}/faults-{uuid.uuid4().hex[:8]}"
-    state = finetune(params(tiny_model, s3_data, root, epochs=1), return_state=True)
+    run_params = params(tiny_model, s3_data, root, epochs=1)
+    run_params.train = run_params.train.model_copy(
+        update={"num_workers": 2, "checkpoint_every_steps": 10, "max_failures": 0}
+    )
+    killed, stop = [], threading.Event()
+    killer = threading.Thread(
+        target=kill_a_worker_once_a_checkpoint_is_committed, args=(f"{root}/runs", killed, stop, "*")
+    )
+    killer.start()
+    try:
+        state = finetune.with_options(retries=1)(run_params, return_state=True)
+    finally:
+        stop.set()
+        killer.join()
+    assert killed and state.is_completed()
     summary = state.result()
     assert summary.run_dir.startswith(f"{root}/runs/")
     manifest = check_run(summary.run_dir, summary.test["accuracy"], s3_data, epochs=1)
     assert manifest["outputs"]["model"] == f"{summary.run_dir}/model"
+    assert manifest["metrics"]["training"]["history"][-1]["resumed_from_step"] > 0, "the retry trained from step 0"
+    assert storage.filesystem(root)[0].ls(f"{root}/runs", detail=False, refresh=True) == [
+        summary.run_dir.removeprefix("s3://")
+    ]
     counts = faulty_s3()
     assert counts["InternalError"] and counts["SlowDown"] and counts["dropped"], counts
 
@@ -230,6 +251,7 @@ def test_finetune_on_s3_survives_faults_and_leaks_no_credential(faulty_s3, tiny_
             log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[state.state_details.flow_run_id]))
         )
         flow_run = client.read_flow_run(state.state_details.flow_run_id)
+    assert flow_run.run_count == 2, "the flow run failed once, then was retried"
     console = capfd.readouterr()
     session = Path(ray._private.worker.global_worker.node.get_session_dir_path())  # this run's Ray, not the latest
     ray_logs = {str(f): f.read_bytes() for f in (session / "logs").rglob("*") if f.is_file()}
@@ -280,36 +302,6 @@ def test_a_storage_root_in_a_bucket_that_does_not_exist_is_refused_not_created(t
     ):
         finetune(params(tiny_model, small_data, "s3://no-such-bucket/ftflow"))
     assert "no-such-bucket" not in [bucket["Name"] for bucket in boto3.client("s3").list_buckets()["Buckets"]]
-
-
-def test_a_flow_run_that_fails_mid_training_is_retried_and_resumes_in_the_same_run(
-    ray_cluster, tiny_model, small_data, tmp_path
-):
-    """A worker killed with no restarts left fails the flow run; Prefect retries it (as a deployment's
-    `retries` or the UI's Retry do), and the retry continues the same run folder from the last
-    checkpoint: one run, one manifest, every step of the curve once."""
-    run_params = params(tiny_model, small_data, str(tmp_path / "store"), epochs=1)
-    run_params.train = run_params.train.model_copy(
-        update={"num_workers": 2, "checkpoint_every_steps": 10, "max_failures": 0}
-    )
-    killed, stop = [], threading.Event()
-    killer = threading.Thread(
-        target=kill_a_worker_once_a_checkpoint_is_committed, args=(tmp_path / "store" / "runs", killed, stop, "*")
-    )
-    killer.start()
-    try:
-        state = finetune.with_options(retries=1)(run_params, return_state=True)
-    finally:
-        stop.set()
-        killer.join()
-    assert killed and state.is_completed()
-    with get_client(sync_client=True) as client:
-        assert client.read_flow_run(state.state_details.flow_run_id).run_count == 2, (
-            "the flow run failed once, then was retried"
-        )
-    [run_dir] = (tmp_path / "store" / "runs").iterdir()
-    manifest = check_run(str(run_dir), state.result().test["accuracy"], small_data, epochs=1)
-    assert manifest["metrics"]["training"]["history"][-1]["resumed_from_step"] > 0, "the retry trained from step 0"
 
 
 def test_training_past_its_timeout_fails_and_frees_the_cluster(ray_cluster, tiny_model, small_data, tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import posixpath
 import re
 import subprocess
 import sys
@@ -23,6 +24,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from tasks.contracts.shards import TokenizedSplits
 from tasks.contracts.training import STATE_FILE, Result, TrainingJob
+from tasks.core import storage
 from tasks.core.config import DataConfig, ModelConfig
 from tasks.core.data import load_splits
 from tasks.core.layout import RunStore
@@ -178,15 +180,20 @@ def ray_train_workers() -> list[psutil.Process]:
     return workers
 
 
-def checkpoint_committed(run_dir: Path, run: str = ".") -> bool:
-    """Ray Train's snapshot (of the run folder `run`, a glob, under run_dir) lists a checkpoint: a folder
-    that is still uploading, or not yet registered by the controller, is not a checkpoint to resume from."""
-    snapshot = next(run_dir.glob(f"{run}/train/ray/checkpoint_manager_snapshot.json"), None)
-    return snapshot is not None and "checkpoint_dir_name" in snapshot.read_text()
+def checkpoint_committed(run_dir: Path | str, run: str = ".") -> bool:
+    """Ray Train's snapshot (of the run folder `run`, a glob, under run_dir: a folder or an S3 prefix)
+    lists a checkpoint: a folder that is still uploading, or not yet registered by the controller, is not
+    a checkpoint to resume from. A read that fails (an S3 fault the test injects) says not yet."""
+    fs, path = storage.filesystem(str(run_dir))
+    fs.invalidate_cache()  # s3fs keeps its listings
+    with contextlib.suppress(OSError):
+        for snapshot in fs.glob(posixpath.normpath(f"{path}/{run}/train/ray/checkpoint_manager_snapshot.json")):
+            return b"checkpoint_dir_name" in fs.cat_file(snapshot)
+    return False
 
 
 def kill_a_worker_once_a_checkpoint_is_committed(
-    run_dir: Path, killed: list[int], stop: threading.Event, run: str = "."
+    run_dir: Path | str, killed: list[int], stop: threading.Event, run: str = "."
 ) -> None:
     """Kill one training worker once a checkpoint of the run folder `run` (a glob) under run_dir is committed."""
     while not stop.is_set():
