@@ -18,7 +18,7 @@ import psutil
 import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import fault_injected
+from conftest import fault_injected, faults_injected
 from tiny_model import make_tiny_bert
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
@@ -221,7 +221,7 @@ def said():
     logger.removeHandler(handler)
 
 
-def test_a_killed_and_a_failed_worker_resume_from_the_last_checkpoint(tokenized, tiny_model, monkeypatch, said):
+def test_a_killed_and_a_failed_worker_resume_from_the_last_checkpoint(tokenized, tiny_model, said):
     """One run, two failures: a worker killed once a checkpoint is committed, and a worker that raises,
     said at once with its own exception. Each attempt resumes from the last checkpoint; the report's
     curve has every step once across both restarts."""
@@ -266,11 +266,19 @@ def test_a_killed_and_a_failed_worker_resume_from_the_last_checkpoint(tokenized,
     assert curve.validation[-1].accuracy == history[-1].val_accuracy
 
 
-def test_the_last_failed_attempt_fails_with_the_workers_own_exception(tokenized, tiny_model, monkeypatch, said):
+def test_a_worker_that_stalls_is_reported_then_its_last_failed_attempt_fails_with_its_own_exception(
+    tokenized, tiny_model, said
+):
+    """A worker that hangs: within stall_warning_s the report is written and one warning names the
+    phase and the top stack frame; the run goes on once the worker does. Then a worker that raises with
+    no attempt left: the run fails with the worker's own exception, said once."""
     root, uris = tokenized
-    cfg = TrainConfig(epochs=1, max_steps=10, batch_size=16, num_workers=2, max_failures=0)
-    with pytest.raises(RuntimeError) as failed, fault_injected(step=3, rank=0):
-        fit(uris, tiny_model, cfg, Path(root) / "runs" / "failed")
+    run_dir = Path(root) / "runs" / "stalled"
+    cfg = TrainConfig(epochs=1, max_steps=10, batch_size=16, num_workers=2, max_failures=0, stall_warning_s=4)
+    hang, fault = {"step": 2, "rank": 0, "hang_s": 15}, {"step": 3, "rank": 0, "hang_s": 0}
+    with pytest.raises(RuntimeError) as failed, faults_injected(hang, fault):
+        fit(uris, tiny_model, cfg, run_dir)
+    check_stall_report(said, run_dir)
     assert re.fullmatch(r"injected fault at step 3, at [\d.]+", str(failed.value))
     assert [message for _, _, message in said if "failed" in message] == [
         next(
@@ -284,6 +292,27 @@ def test_the_last_failed_attempt_fails_with_the_workers_own_exception(tokenized,
     ]
 
 
+def check_stall_report(said: list[tuple[float, int, str]], run_dir: Path) -> None:
+    """One warning of the hang at step 2, naming its phase and top frame; the report beside the run,
+    with both ranks' stacks, rank 0's in the hang. (Workers slower to start than stall_warning_s, as
+    here, have a report of their own.)"""
+    [line] = [
+        message
+        for _, level, message in said
+        if level == logging.WARNING and "no progress" in message and "'training'" in message
+    ]
+    assert re.match(
+        r"training has shown no progress for \d+ s: rank [01] is in 'training' at step 2, top frame \S+ ", line
+    ), line
+    report = Path(re.search(r"stall report: (\S+) ", line)[1])
+    assert report.parent == run_dir / "stall"
+    stacks = {path.name: path.read_text() for path in report.rglob("*") if path.is_file()}
+    assert any("injected" in text for name, text in stacks.items() if "rank 0" in name or "rank-0" in name), sorted(
+        stacks
+    )
+    assert any("rank 1" in name or "rank-1" in name for name in stacks), sorted(stacks)
+
+
 def test_a_diverged_run_stops_at_once_without_a_retry_or_an_export(tokenized, tiny_model, said):
     """A loss no longer finite is the settings' fault: retried from the last checkpoint, the same rows
     would diverge again (tasks/train/worker.py `Diverged`)."""
@@ -294,34 +323,6 @@ def test_a_diverged_run_stops_at_once_without_a_retry_or_an_export(tokenized, ti
         fit(uris, tiny_model, cfg, run_dir)
     assert not [message for _, _, message in said if "failed" in message], "no attempt was retried"
     assert not (run_dir / "model").exists()
-
-
-def test_a_stalled_run_writes_a_stall_report_and_says_where_it_is(tokenized, tiny_model, monkeypatch, said):
-    """A worker that hangs: within stall_warning_s the report is written and one warning names the
-    phase and the top stack frame; the run goes on once the worker does."""
-    root, uris = tokenized
-    run_dir = Path(root) / "runs" / "stalled"
-    cfg = TrainConfig(epochs=1, max_steps=10, batch_size=16, num_workers=2, stall_warning_s=4)
-    with fault_injected(step=5, rank=0, hang_s=15):
-        trained = fit(uris, tiny_model, cfg, run_dir)
-
-    # (Workers slower to start than stall_warning_s, as here, have a report of their own.)
-    [line] = [
-        message
-        for _, level, message in said
-        if level == logging.WARNING and "no progress" in message and "'training'" in message
-    ]
-    assert re.match(
-        r"training has shown no progress for \d+ s: rank [01] is in 'training' at step 5, top frame \S+ ", line
-    ), line
-    report = Path(re.search(r"stall report: (\S+) ", line)[1])
-    assert report.parent == run_dir / "stall"
-    stacks = {path.name: path.read_text() for path in report.rglob("*") if path.is_file()}
-    assert any("injected" in text for name, text in stacks.items() if "rank 0" in name or "rank-0" in name), sorted(
-        stacks
-    )
-    assert any("rank 1" in name or "rank-1" in name for name in stacks), sorted(stacks)
-    assert trained.history[-1].step == 10
 
 
 def test_early_stopping_ends_training_after_evaluations_without_a_higher_accuracy(tokenized, tiny_model):
