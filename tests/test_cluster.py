@@ -69,10 +69,6 @@ def without_secrets(env: dict[str, str], home: Path) -> dict[str, str]:
     return {**clean, "HOME": str(home), "RAY_gcs_server_port_wait_time_s": "2"}  # refused in ~2 s, not 20
 
 
-def stored_text(root: Path) -> str:
-    return "".join(path.read_text(errors="replace") for path in root.rglob("*") if path.is_file())
-
-
 def job_api_ready(url: str, token: str) -> None:
     """The Job API answers (the dashboard starts seconds after the head), and only with the token."""
     for _ in range(240):
