@@ -12,9 +12,10 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -179,21 +180,14 @@ def local_run(ray_cluster, tiny_model, small_data, tmp_path_factory):
     """One finetune run on local storage: its parameters, its Prefect state, and what the Prefect API
     showed while it trained. tests/test_flow.py checks it; tests/test_registry.py has it as the
     champion a second run loses to (a run costs ~75 s here: run once)."""
-    import threading
-
     from test_flow import params, watch_training
 
     from flows.finetune import finetune
 
     run_params = params(tiny_model, small_data, str(tmp_path_factory.mktemp("local-run") / "store"))
-    seen, stop = [], threading.Event()
-    watcher = threading.Thread(target=watch_training, args=(seen, stop))
-    watcher.start()
-    try:
+    seen = []
+    with alongside(watch_training, seen):
         state = finetune(run_params, return_state=True)
-    finally:
-        stop.set()
-        watcher.join()
     return run_params, state, seen
 
 
@@ -377,3 +371,17 @@ def faults_injected(*faults: dict) -> Iterator[Path]:
         fault.unlink()
         for marker in HOOKS_DIR.glob("hanging-*.json"):
             marker.unlink()
+
+
+@contextmanager
+def alongside(watch: Callable[..., None], *args: object) -> Iterator[None]:
+    """`watch(stop, *args)` on a thread of its own while the block runs (a killer, a watcher); `stop` set
+    and the thread joined once the block ends, however it ends."""
+    stop = threading.Event()
+    thread = threading.Thread(target=watch, args=(stop, *args))
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()

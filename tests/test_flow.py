@@ -14,7 +14,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import ray
-from conftest import BUCKET, S3_KEY, S3_SECRET, cpus_freed, write_jsonl
+from conftest import BUCKET, S3_KEY, S3_SECRET, alongside, cpus_freed, write_jsonl
 from PIL import Image
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import (
@@ -159,7 +159,7 @@ def run_artifacts(flow_run_id) -> dict[str, object]:
     return {a.key: a.data for a in found}
 
 
-def watch_training(seen: list[tuple[list[str], list[float]]], stop: threading.Event) -> None:
+def watch_training(stop: threading.Event, seen: list[tuple[list[str], list[float]]]) -> None:
     """What the Prefect API shows while a `train` task runs: its log's step lines, its progress artifact."""
     running = TaskRunFilter(
         name=TaskRunFilterName(like_="train"),
@@ -221,16 +221,9 @@ def test_finetune_on_s3_survives_faults_and_a_failure_and_leaks_no_credential(fa
     run_params.train = run_params.train.model_copy(
         update={"num_workers": 2, "checkpoint_every_steps": 10, "max_failures": 0}
     )
-    killed, stop = [], threading.Event()
-    killer = threading.Thread(
-        target=kill_a_worker_once_a_checkpoint_is_committed, args=(f"{root}/runs", killed, stop, "*")
-    )
-    killer.start()
-    try:
+    killed = []
+    with alongside(kill_a_worker_once_a_checkpoint_is_committed, f"{root}/runs", killed, "*"):
         state = finetune.with_options(retries=1)(run_params, return_state=True)
-    finally:
-        stop.set()
-        killer.join()
     assert killed and state.is_completed()
     summary = state.result()
     assert summary.run_dir.startswith(f"{root}/runs/")

@@ -6,7 +6,7 @@ import json
 import threading
 
 import pytest
-from conftest import free_port
+from conftest import alongside, free_port
 
 from tasks.core import layout, storage
 
@@ -17,21 +17,18 @@ def test_a_reader_never_sees_a_json_file_half_written(tmp_path):
     target = tmp_path / "runs" / "r1" / "manifest.json"
     big = {"rows": list(range(200_000))}  # ~1.6 MB: a non-atomic write would be caught in the middle
     storage.write_json(str(target), big)
-    done, torn = threading.Event(), []
+    torn = []
 
-    def read_until_done() -> None:
+    def read_until_done(done: threading.Event) -> None:
         while not done.is_set():
             try:
                 json.loads(target.read_bytes())
             except json.JSONDecodeError as error:
                 torn.append(error)
 
-    reader = threading.Thread(target=read_until_done)
-    reader.start()
-    for version in range(30):
-        storage.write_json(str(target), big | {"version": version})
-    done.set()
-    reader.join()
+    with alongside(read_until_done):
+        for version in range(30):
+            storage.write_json(str(target), big | {"version": version})
     assert not torn, f"{len(torn)} reads saw a partly written file"
     assert storage.read_json(str(target))["version"] == 29
     assert [p.name for p in target.parent.iterdir()] == ["manifest.json"]

@@ -18,7 +18,7 @@ import psutil
 import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import fault_injected, faults_injected
+from conftest import alongside, fault_injected, faults_injected
 from tiny_model import make_tiny_bert
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
@@ -193,7 +193,7 @@ def checkpoint_committed(run_dir: Path | str, run: str = ".") -> bool:
 
 
 def kill_a_worker_once_a_checkpoint_is_committed(
-    run_dir: Path | str, killed: list[int], stop: threading.Event, run: str = "."
+    stop: threading.Event, run_dir: Path | str, killed: list[int], run: str = "."
 ) -> None:
     """Kill one training worker once a checkpoint of the run folder `run` (a glob) under run_dir is committed."""
     while not stop.is_set():
@@ -232,15 +232,9 @@ def test_a_killed_and_a_failed_worker_resume_from_the_last_checkpoint(tokenized,
     cfg = TrainConfig(
         epochs=2, batch_size=16, learning_rate=2e-3, num_workers=2, checkpoint_every_steps=10, max_failures=2
     )
-    killed, stop = [], threading.Event()
-    killer = threading.Thread(target=kill_a_worker_once_a_checkpoint_is_committed, args=(run_dir, killed, stop))
-    killer.start()
-    try:
-        with fault_injected(step=105, rank=1):
-            trained = fit(uris, tiny_model, cfg, run_dir)
-    finally:
-        stop.set()
-        killer.join()
+    killed = []
+    with alongside(kill_a_worker_once_a_checkpoint_is_committed, run_dir, killed), fault_injected(step=105, rank=1):
+        trained = fit(uris, tiny_model, cfg, run_dir)
 
     assert killed, "no training worker was killed"
     [(at, level, line)] = [record for record in said if "failed at step 105" in record[2]]
