@@ -32,6 +32,10 @@ HOOKS_DIR = Path(tempfile.mkdtemp(prefix="ftflow-test-hooks-"))
 atexit.register(shutil.rmtree, HOOKS_DIR, ignore_errors=True)
 # The commands' logs (ftflow/console.py) in the session's folder, not the user's ~/.local/state.
 os.environ["XDG_STATE_HOME"] = str(HOOKS_DIR / "state")
+# Prefect's cache records (the tokenize task's) in the session's folder too, not the user's
+# ~/.prefect/storage: there a record of an earlier session whose tmp folder had the same path (pytest
+# numbers them from 0 again on a clean /tmp) made a first tokenization "Cached" (CI at e7640c4).
+os.environ["PREFECT_RESULTS_LOCAL_STORAGE_PATH"] = str(HOOKS_DIR / "prefect-results")
 os.environ["PYTHONPATH"] = os.pathsep.join(
     filter(None, [str(Path(__file__).parent / "hooks"), os.environ.get("PYTHONPATH")])
 )
