@@ -62,6 +62,10 @@ def stack_env() -> dict[str, str]:
         # The runner asks the local server for runs to start every 2 s, not Prefect's 10: a run triggered
         # from the UI or by an event starts within 2 s. A user's own setting wins.
         "PREFECT_RUNNER_POLL_FREQUENCY": "2",
+        # The server's SQLite refuses a write that meets another at once ("database is locked", a 503 the
+        # UI shows as "Something went wrong trying to create a flow run"); Prefect leaves it out of the
+        # server's log unless told: .stack/prefect-server.log says why.
+        "PREFECT_SERVER_LOG_RETRYABLE_ERRORS": "true",
         **os.environ,
         "PREFECT_HOME": str(STATE / "prefect"),  # the server's database stays with the stack
         "PREFECT_API_URL": f"{UI}/api",
