@@ -17,6 +17,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -290,21 +291,19 @@ def gpu_requests_fail_within_their_wait(finetune, joined: dict, outside: dict, m
     assert " - Retry 1/" not in stderr, "a wait that ran out is not tried again"  # 4 tries took 70 s
 
 
-def test_finetune_as_ray_jobs_on_a_token_secured_cluster_that_grows_and_shrinks(
-    tiny_model, s3_data, tmp_path, prefect_with_auth
-):
-    """An autoscaling cluster at rest, a head alone that takes no work, that requires a token, driven
-    from outside through its Job API as a laptop or a Prefect worker would: every stage's Ray work runs
-    there as a Ray Job, its lines followed into the flow run's log, its refusals raised again as the
-    same one line, and stopped with the flow run; the driver never joins Ray. The flow asks for two
-    training workers of 2 CPUs and two inference actors; the autoscaler adds 3-CPU nodes (separate
-    raylets), training workers land on different nodes, every artifact in S3 is complete and free of
-    the token and of the auth string of the Prefect server the flows report to, and the nodes go once
-    idle. Refused before any work: a driver without the token, Ray Client, a local storage root; a
-    request no node type can satisfy (a GPU) fails within its wait."""
+@dataclass(frozen=True)
+class Head:
+    port: int
+    url: str  # its Job API
+    token: str
+    env: dict[str, str]  # the cluster's: its S3 credentials, its token, and the `python` that runs a job
+
+
+@pytest.fixture
+def autoscaling_head(tmp_path) -> Iterator[Head]:
+    """The head of an autoscaling cluster that requires a token, its Job API on loopback. Asked for before
+    prefect_with_auth, so that its dashboard starts while that server does (~8 s of each, side by side)."""
     port, dashboard, token = free_port(), free_port(), secrets.token_hex(32)
-    url = f"http://127.0.0.1:{dashboard}"
-    # The head's environment is the cluster's: its S3 credentials, and the `python` that runs a job.
     secured = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token, "PATH": f"{BIN}:{os.environ['PATH']}"}
     head = start_ray_head(
         port,
@@ -315,8 +314,28 @@ def test_finetune_as_ray_jobs_on_a_token_secured_cluster_that_grows_and_shrinks(
         str(autoscaling_config(port, tmp_path / "cluster.json")),
         dashboard=dashboard,
     )
+    try:
+        yield Head(port, f"http://127.0.0.1:{dashboard}", token, secured)
+    finally:
+        os.killpg(head.pid, signal.SIGTERM)
+        head.wait(timeout=60)
+
+
+def test_finetune_as_ray_jobs_on_a_token_secured_cluster_that_grows_and_shrinks(
+    tiny_model, s3_data, tmp_path, autoscaling_head, prefect_with_auth
+):
+    """An autoscaling cluster at rest, a head alone that takes no work, that requires a token, driven
+    from outside through its Job API as a laptop or a Prefect worker would: every stage's Ray work runs
+    there as a Ray Job, its lines followed into the flow run's log, its refusals raised again as the
+    same one line, and stopped with the flow run; the driver never joins Ray. The flow asks for two
+    training workers of 2 CPUs and two inference actors; the autoscaler adds 3-CPU nodes (separate
+    raylets), training workers land on different nodes, every artifact in S3 is complete and free of
+    the token and of the auth string of the Prefect server the flows report to, and the nodes go once
+    idle. Refused before any work: a driver without the token, Ray Client, a local storage root; a
+    request no node type can satisfy (a GPU) fails within its wait."""
+    port, url, token = autoscaling_head.port, autoscaling_head.url, autoscaling_head.token
     prefect_url, auth = prefect_with_auth
-    team = {**secured, "PREFECT_API_URL": prefect_url, "PREFECT_API_AUTH_STRING": auth}
+    team = {**autoscaling_head.env, "PREFECT_API_URL": prefect_url, "PREFECT_API_AUTH_STRING": auth}
     joined = {**team, "RAY_ADDRESS": f"127.0.0.1:{port}"}  # a driver on the cluster's network
     outside = {**team, "RAY_ADDRESS": url}  # ftflow's commands, from outside the cluster
     config = tmp_path / "params.json"
@@ -335,27 +354,23 @@ def test_finetune_as_ray_jobs_on_a_token_secured_cluster_that_grows_and_shrinks(
             timeout=900,
         )
 
-    try:
-        job_api_ready(url, token)
-        refused_before_any_work(port, url, joined, finetune, tmp_path)
-        client = JobSubmissionClient(url, headers={"Authorization": f"Bearer {token}"})
-        drivers = {job.job_id for job in client.list_jobs()}  # the refused driver joined the cluster
-        run = finetune(f"s3://{BUCKET}/grows", outside)
-        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-        training = stopped_with_its_flow_run(client, config, outside)
-        jobs = [job for job in client.list_jobs() if job.job_id not in drivers and job.submission_id != training]
-        # While the added nodes idle out (they go ~20 s after their last work):
-        gpu_requests_fail_within_their_wait(finetune, joined, outside, tiny_model, s3_data["test"])
-        for _ in range(24):
-            if (alive := alive_nodes(joined)) == 1:
-                break
-            time.sleep(5)
-        assert alive == 1, "the added nodes went once idle"
-        status, runs = api(f"{prefect_url}/flow_runs/filter", auth)
-        assert status == 200 and [r["state_type"] for r in runs].count("COMPLETED") == 1, runs
-    finally:
-        os.killpg(head.pid, signal.SIGTERM)
-        head.wait(timeout=60)
+    job_api_ready(url, token)
+    refused_before_any_work(port, url, joined, finetune, tmp_path)
+    client = JobSubmissionClient(url, headers={"Authorization": f"Bearer {token}"})
+    drivers = {job.job_id for job in client.list_jobs()}  # the refused driver joined the cluster
+    run = finetune(f"s3://{BUCKET}/grows", outside)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    training = stopped_with_its_flow_run(client, config, outside)
+    jobs = [job for job in client.list_jobs() if job.job_id not in drivers and job.submission_id != training]
+    # While the added nodes idle out (they go ~20 s after their last work):
+    gpu_requests_fail_within_their_wait(finetune, joined, outside, tiny_model, s3_data["test"])
+    for _ in range(40):
+        if (alive := alive_nodes(joined)) == 1:
+            break
+        time.sleep(2)
+    assert alive == 1, "the added nodes went once idle"
+    status, runs = api(f"{prefect_url}/flow_runs/filter", auth)
+    assert status == 200 and [r["state_type"] for r in runs].count("COMPLETED") == 1, runs
     run_dir = re.search(r"artifacts: +(\S+)", run.stdout)[1]
     accuracy = storage.read_json(storage.join(run_dir, "metrics.json"))["accuracy"]
     assert f"test accuracy: {accuracy:.4f}" in run.stdout
