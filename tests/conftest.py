@@ -366,14 +366,15 @@ def fault_injected(step: int, rank: int = 0, hang_s: float = 0.0) -> Iterator[No
 @contextmanager
 def faults_injected(*faults: dict) -> Iterator[Path]:
     """fault_injected's faults ({step, rank, hang_s}, and workers: only in a group of that many), several;
-    yields where a hang says it started (hanging-<n>.json, n its place in `faults`)."""
+    yields where a hang says it started (hanging-<n>.json, n its place in `faults`), and where a file
+    release-<n> ends it before its hang_s."""
     fault = HOOKS_DIR / "fault.json"
     fault.write_text(json.dumps(list(faults)))
     try:
         yield HOOKS_DIR
     finally:
         fault.unlink()
-        for marker in HOOKS_DIR.glob("hanging-*.json"):
+        for marker in [*HOOKS_DIR.glob("hanging-*.json"), *HOOKS_DIR.glob("release-*")]:
             marker.unlink()
 
 

@@ -270,8 +270,9 @@ def test_a_worker_that_stalls_is_reported_then_its_last_failed_attempt_fails_wit
     run_dir = Path(root) / "runs" / "stalled"
     cfg = TrainConfig(epochs=1, max_steps=10, batch_size=16, num_workers=2, max_failures=0, stall_warning_s=4)
     hang, fault = {"step": 2, "rank": 0, "hang_s": 15}, {"step": 3, "rank": 0, "hang_s": 0}
-    with pytest.raises(RuntimeError) as failed, faults_injected(hang, fault):
-        fit(uris, tiny_model, cfg, run_dir)
+    with pytest.raises(RuntimeError) as failed, faults_injected(hang, fault) as hooks:
+        with alongside(released_once_warned, said, hooks / "release-0"):
+            fit(uris, tiny_model, cfg, run_dir)
     check_stall_report(said, run_dir)
     assert re.fullmatch(r"injected fault at step 3, at [\d.]+", str(failed.value))
     assert [message for _, _, message in said if "failed" in message] == [
@@ -284,6 +285,14 @@ def test_a_worker_that_stalls_is_reported_then_its_last_failed_attempt_fails_wit
             and message.endswith("; no attempt left of 1: training fails")
         )
     ]
+
+
+def released_once_warned(stop: threading.Event, said: list[tuple[float, int, str]], release: Path) -> None:
+    """The hang ended once the stall it makes is reported (~5 s in, of its 15 s at most)."""
+    while not stop.wait(0.2):
+        if any(level == logging.WARNING and "'training' at step 2" in message for _, level, message in said):
+            release.touch()
+            return
 
 
 def check_stall_report(said: list[tuple[float, int, str]], run_dir: Path) -> None:

@@ -4,8 +4,8 @@ start-up): what the tests need inside training workers, so that ftflow's own mod
 variable. Nothing is imported here until a hooked module is:
 
 - tasks.train.watch: faults at optimizer steps (conftest.fault_injected writes them), each raised, or
-  hung for a while, by one worker, once per run (the first worker to reach it, of every attempt; of a
-  group of `workers`, where the fault names them);
+  hung for a while (or until the test writes release-<n> beside them), by one worker, once per run (the
+  first worker to reach it, of every attempt; of a group of `workers`, where the fault names them);
 - tasks.train.worker: with FTFLOW_TEST_CHECK_DEVICES=1, every collective's tensor checked against
   the worker's training device (tests/hooks/devices.py).
 """
@@ -41,7 +41,9 @@ def injected(pulse, step: int) -> None:
             continue  # True: the key was there, the fault has fired
         if fault["hang_s"]:
             (hooks / f"hanging-{number}.json").write_text(json.dumps({"step": step, "raylet": os.getppid()}))
-            time.sleep(fault["hang_s"])
+            hung_until = time.monotonic() + fault["hang_s"]
+            while time.monotonic() < hung_until and not (hooks / f"release-{number}").exists():
+                time.sleep(0.1)
             continue
         raise RuntimeError(
             f"injected fault at step {step}, at {time.time():.3f}"
