@@ -328,9 +328,10 @@ def test_a_diverged_run_stops_at_once_without_a_retry_or_an_export(tokenized, ti
     assert not (run_dir / "model").exists()
 
 
-def test_early_stopping_ends_training_after_evaluations_without_a_higher_accuracy(tokenized, tiny_model):
+def test_early_stopping_ends_training_after_evaluations_without_a_higher_accuracy(tokenized, tiny_model, said):
     """A learning rate too small to move the model: no evaluation scores higher than the first, so
-    training stops at the second after it, mid-epoch, and says why; a re-run of the run trains no more."""
+    training stops at the second after it, mid-epoch, and says why; a re-run of the run (a flow run
+    retried after training) trains no more, and starts no worker to find it has nothing to train."""
     root, uris = tokenized
     run_dir = Path(root) / "runs" / "early"
     cfg = TrainConfig(
@@ -345,6 +346,11 @@ def test_early_stopping_ends_training_after_evaluations_without_a_higher_accurac
     )
     again = fit(uris, tiny_model, cfg, run_dir)
     assert again.history == stopped.history and again.stopped == stopped.stopped, "the re-run trained on"
+    assert again.validation == stopped.validation and again.test == stopped.test
+    finished = (
+        "training: an earlier attempt of this run trained it to its end (step 15) and exported it; no worker started"
+    )
+    assert [message for _, _, message in said].count(finished) == 1
 
 
 def test_the_best_validated_step_is_exported_not_the_last(tokenized, tiny_model):

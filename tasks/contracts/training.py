@@ -218,3 +218,5 @@ class Result(BaseModel):
     # multi-label: each label's decision threshold, tuned on the validation split (THRESHOLD where it has
     # no row with the label), which the exported model keeps in its config as `label_thresholds`
     thresholds: list[float] | None = None
+    # the WorkerSpec that trained it (spec.digest_of): a re-run of the same finished spec is this Result
+    spec_digest: str = ""

@@ -51,11 +51,19 @@ def tokenize(
     complete set (its marker is there), whoever wrote it, is used as it is and never removed: a run
     may be training on it. Only the writer's slot holder writes, so the leftovers it replaces are an
     interrupted attempt's, never a live one's; a run that waited for the slot finds the set complete."""
+    # A set complete already is read without the slot: the server's slot increment and release saved,
+    # and, on Prefect 3.8.8's SQLite server, a 503 and its ~2.4 s retry in about half the starts here.
+    if key.shards_exist():
+        return used(key)
     with one_writer(key):
-        if key.shards_exist():
-            get_run_logger().info("using the tokenized shards at %s", key.target)
-            return key.shards
+        if key.shards_exist():  # written while this run waited for the slot
+            return used(key)
         with Tracked("tokenization-progress", "Tokenization: % of the shards written") as progress:
             return jobs.run(
                 tokenized_shards, ray_address, progress, key=key, splits=splits, model_name_or_path=model_name_or_path
             )
+
+
+def used(key: TokenizeKey) -> TokenizedSplits:
+    get_run_logger().info("using the tokenized shards at %s", key.target)
+    return key.shards

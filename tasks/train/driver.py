@@ -41,7 +41,7 @@ from tasks.train.entry import train_worker
 from tasks.train.ingest import EqualParts, split
 from tasks.train.plan import cpu_has_native_bf16, planned
 from tasks.train.resumable import latest_progress, resume_refused
-from tasks.train.spec import Plan, WorkerSpec
+from tasks.train.spec import Plan, Progress, WorkerSpec, digest_of
 from tasks.train.trainer import RUN_NAME, Trainer, stop_controller, worker_exception
 from tasks.train.watch import FailureRelay, Resizes, Watchdog
 
@@ -73,6 +73,14 @@ def trained(logger: logging.Logger, job: TrainingJob, callbacks: tuple[UserCallb
         logger.info("strategy=auto: %s", choice.reason)
     train_rows, train_count, a_row = split(job.shards.train)
     spec = worker_spec(job, cfg, the_plan, train_count)
+    if not callbacks and (done := finished_before(job.store, spec, progress)):
+        logger.info(
+            "training: an earlier attempt of this run trained it to its end (step %d) and exported it; "
+            "no worker started",
+            done.history[-1].step,
+        )
+        log_history(logger, done)
+        return done.model_copy(update={"cluster": cluster_info(), "strategy": choice, "marks": None})
     say_plan(logger, spec)
     # The workers' ticks, lines and heartbeats, while training runs; a stall is reported under the run.
     with relayed(logger, Watchdog(logger, job.store.stall, cfg.stall_warning_s)) as channel:
@@ -84,6 +92,19 @@ def trained(logger: logging.Logger, job: TrainingJob, callbacks: tuple[UserCallb
     warn_spread_groups(logger, result, cfg.tensor_parallel_size)
     log_history(logger, result)
     return result.model_copy(update={"cluster": cluster_info(), "strategy": choice})
+
+
+def finished_before(store: RunStore, spec: WorkerSpec, progress: Progress | None) -> Result | None:
+    """The Result an earlier attempt of this same spec exported, where its latest checkpoint is the one
+    it exported from: a flow run retried after training (a later stage failed) re-runs the train task,
+    and workers would start (~15 s here) to train no step and export the same model again. A sweep's
+    trials are not asked: Ray Tune keeps their state and runs again only those it has not seen end."""
+    state = storage.join(store.model_dir, STATE_FILE)
+    if progress is None or not storage.exists(state):
+        return None
+    result = Result.model_validate(storage.read_json(state))
+    same = result.spec_digest == spec.digest and result.history and result.history[-1].step == progress.step
+    return result if same else None
 
 
 def cluster_info() -> ClusterInfo:
@@ -107,7 +128,7 @@ def worker_spec(job: TrainingJob, cfg: TrainConfig, the_plan: Plan, train_count:
     batches_per_epoch = math.ceil(padded_rows / the_plan.workers / the_plan.micro_batch)
     max_steps = min(cfg.max_steps or math.inf, cfg.epochs * (batches_per_epoch // the_plan.accumulation))
     hidden_size = model_config(model.name_or_path).get("hidden_size", 768)
-    return WorkerSpec(
+    spec = WorkerSpec(
         train=cfg,
         plan=the_plan,
         deepspeed=deepspeed_config(cfg, the_plan, max_steps, hidden_size),
@@ -124,6 +145,7 @@ def worker_spec(job: TrainingJob, cfg: TrainConfig, the_plan: Plan, train_count:
         evaluation=evaluation,
         preemptible=not cluster.local_ray(),
     )
+    return spec.model_copy(update={"digest": digest_of(spec)})
 
 
 def say_plan(logger: logging.Logger, spec: WorkerSpec) -> None:

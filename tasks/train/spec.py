@@ -4,6 +4,7 @@ the exported model) is tasks/contracts/training.py. Imports no Prefect, Ray or t
 
 from __future__ import annotations
 
+import hashlib
 import math
 
 from pydantic import BaseModel
@@ -66,6 +67,12 @@ class WorkerSpec(BaseModel):
     # whether a node of the run can be preempted: on a cluster, not on ftflow's local Ray, whose nodes
     # Ray Train's watcher then does not poll and whose workers ask no one (tasks/train/preemption.py)
     preemptible: bool = False
+    digest: str = ""  # digest_of this spec, set by the driver; the export's Result keeps it
+
+
+def digest_of(spec: WorkerSpec) -> str:
+    """What the spec asks, as a digest: its progress channel (one per attempt) and its own digest aside."""
+    return hashlib.sha256(spec.model_dump_json(exclude={"channel", "digest"}).encode()).hexdigest()
 
 
 def at_world_size(spec: WorkerSpec, workers: int) -> WorkerSpec:

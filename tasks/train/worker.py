@@ -386,6 +386,7 @@ class Recipe:
             marks=self.marks,
             stopped=stopped,
             kept=kept,
+            spec_digest=spec.digest,
             thresholds=tuned_thresholds(self.predictions.outputs, self.predictions.targets)
             if spec.targets.task == "multi_label"
             else None,
