@@ -79,19 +79,25 @@ def trained(logger: logging.Logger, job: TrainingJob, callbacks: tuple[UserCallb
             "no worker started",
             done.history[-1].step,
         )
-        log_history(logger, done)
-        return done.model_copy(update={"cluster": cluster_info(), "strategy": choice, "marks": None})
-    say_plan(logger, spec)
-    # The workers' ticks, lines and heartbeats, while training runs; a stall is reported under the run.
-    with relayed(logger, Watchdog(logger, job.store.stall, cfg.stall_warning_s)) as channel:
-        ingest = EqualParts(train_count, a_row)
-        trainer = build_trainer(spec, channel, train_rows.random_shuffle(seed=cfg.seed), ingest, job.store, callbacks)
-        ray_train_settings(spec)
-        run(trainer, spec, job.store.train_dir)
-    result = Result.model_validate(storage.read_json(storage.join(job.store.model_dir, STATE_FILE)))
-    warn_spread_groups(logger, result, cfg.tensor_parallel_size)
+        result = done.model_copy(update={"marks": None})  # no attempt ran now: the flow's phases have none
+    else:
+        say_plan(logger, spec)
+        # The workers' ticks, lines and heartbeats, while training runs; a stall is reported under the run.
+        with relayed(logger, Watchdog(logger, job.store.stall, cfg.stall_warning_s)) as channel:
+            ingest = EqualParts(train_count, a_row)
+            shuffled = train_rows.random_shuffle(seed=cfg.seed)
+            trainer = build_trainer(spec, channel, shuffled, ingest, job.store, callbacks)
+            ray_train_settings(spec)
+            run(trainer, spec, job.store.train_dir)
+        result = exported(job.store)
+        warn_spread_groups(logger, result, cfg.tensor_parallel_size)
     log_history(logger, result)
     return result.model_copy(update={"cluster": cluster_info(), "strategy": choice})
+
+
+def exported(store: RunStore) -> Result:
+    """The Result the workers wrote beside the exported model."""
+    return Result.model_validate(storage.read_json(storage.join(store.model_dir, STATE_FILE)))
 
 
 def finished_before(store: RunStore, spec: WorkerSpec, progress: Progress | None) -> Result | None:
@@ -99,10 +105,9 @@ def finished_before(store: RunStore, spec: WorkerSpec, progress: Progress | None
     it exported from: a flow run retried after training (a later stage failed) re-runs the train task,
     and workers would start (~15 s here) to train no step and export the same model again. A sweep's
     trials are not asked: Ray Tune keeps their state and runs again only those it has not seen end."""
-    state = storage.join(store.model_dir, STATE_FILE)
-    if progress is None or not storage.exists(state):
+    if progress is None or not storage.exists(storage.join(store.model_dir, STATE_FILE)):
         return None
-    result = Result.model_validate(storage.read_json(state))
+    result = exported(store)
     same = result.spec_digest == spec.digest and result.history and result.history[-1].step == progress.step
     return result if same else None
 
