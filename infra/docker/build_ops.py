@@ -19,6 +19,8 @@ import re
 import subprocess
 import sys
 
+from tasks.train.ops import interrupted_build_cleared
+
 OPS = {"cpu_adam": "CPUAdamBuilder"}  # ds_report's name: the builder's class
 ACCELERATORS = ("cuda", "cpu")
 
@@ -66,34 +68,14 @@ def ready(accelerator: str, name: str, builder: str, installed_for: str, cache: 
     return None if path.startswith(cache) and unchanged == "True" else f"compiled again at load ({path})"
 
 
-def interrupted_build_cleared(name: str) -> None:
-    """torch's JIT build takes the op's folder with a lock file (torch.utils.file_baton) that a killed build
-    leaves behind, and every later build then waits on it forever, silently: a `make setup` hung 35 min on
-    one a killed setup had left. It goes only when no process has it open (a build holds it while it
-    compiles). torch's build folder rule is private (`_get_build_directory`): the one DeepSpeed's loader uses."""
-    import psutil
-    from torch.utils.cpp_extension import _get_build_directory
-
-    lock = os.path.join(_get_build_directory(name, verbose=False), "lock")
-    if not os.path.exists(lock):
-        return
-    for process in psutil.process_iter():
-        try:
-            if any(f.path == lock for f in process.open_files()):
-                return
-        except psutil.Error:  # another user's or gone: not a build of this cache
-            continue
-    os.remove(lock)
-    print(f"removed {lock}: an interrupted build's lock, held by no process")
-
-
 def main() -> int:
     if sys.argv[1:]:  # a node or laptop of one accelerator (the hint `ftflow doctor` gives)
         from deepspeed.accelerator import get_accelerator
 
         for builder in sys.argv[1:]:
             op = get_accelerator().create_op_builder(builder)
-            interrupted_build_cleared(op.name)
+            if lock := interrupted_build_cleared(op.name):
+                print(f"removed {lock}: an interrupted build's lock, held by no process")
             op.load(verbose=False)
             print(f"built {builder} for {get_accelerator().device_name()}")
         return 0

@@ -24,10 +24,12 @@ from transformers.integrations.deepspeed import HfDeepSpeedConfig
 from tasks.core.attention import without_cudnn_attention
 from tasks.core.first_token import last_layer_at_first_token
 from tasks.core.models import hub_free
+from tasks.core.progress import say
 from tasks.core.targets import Targets
 from tasks.core.text import padding
 from tasks.train import pipeline
 from tasks.train.lora import adapted, parameter_counts
+from tasks.train.ops import CPU_ADAM, interrupted_build_cleared
 from tasks.train.replica import Replica
 from tasks.train.spec import WorkerSpec
 from tasks.train.watch import Pulse
@@ -183,6 +185,8 @@ def setup(spec: WorkerSpec, pulse: Pulse) -> tuple:
     module, names = pipeline.stages(model, stages, spec.train.activation_checkpointing) if stages > 1 else (model, None)
     pulse("building the DeepSpeed engine")  # its first collective (broadcasting the weights) is NCCL's first connection
     cpu_probed_once()
+    if spec.train.offload_optimizer and (lock := interrupted_build_cleared(CPU_ADAM)):
+        say(spec.channel, logging.WARNING, f"removed {lock}: a DeepSpeed op build's lock an interrupted build left")
     engine, *_ = deepspeed.initialize(model=module, model_parameters=param_groups(module), config=spec.deepspeed)
     return engine, device, tokenizer, Replica(engine, spec.plan.accumulation, model.config, names)
 
