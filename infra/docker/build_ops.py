@@ -19,7 +19,7 @@ import re
 import subprocess
 import sys
 
-from tasks.train.ops import interrupted_build_cleared
+from tasks.core.ops import interrupted_build_cleared
 
 OPS = {"cpu_adam": "CPUAdamBuilder"}  # ds_report's name: the builder's class
 ACCELERATORS = ("cuda", "cpu")

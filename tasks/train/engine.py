@@ -24,12 +24,12 @@ from transformers.integrations.deepspeed import HfDeepSpeedConfig
 from tasks.core.attention import without_cudnn_attention
 from tasks.core.first_token import last_layer_at_first_token
 from tasks.core.models import hub_free
+from tasks.core.ops import CPU_ADAM, interrupted_build_cleared
 from tasks.core.progress import say
 from tasks.core.targets import Targets
 from tasks.core.text import padding
 from tasks.train import pipeline
 from tasks.train.lora import adapted, parameter_counts
-from tasks.train.ops import CPU_ADAM, interrupted_build_cleared
 from tasks.train.replica import Replica
 from tasks.train.spec import WorkerSpec
 from tasks.train.watch import Pulse

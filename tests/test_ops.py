@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from tasks.train.ops import CPU_ADAM, interrupted_build_cleared
+from tasks.core.ops import CPU_ADAM, interrupted_build_cleared
 
 
 def test_a_lock_no_process_holds_goes_and_a_held_one_stays(tmp_path, monkeypatch):

@@ -1,5 +1,5 @@
 """DeepSpeed's JIT-built ops (CPU Adam, for train.offload_optimizer): a build an interrupted one left
-locked. Worker side and `infra/docker/build_ops.py`: imports no Prefect."""
+locked. The training workers and `infra/docker/build_ops.py`: imports no Prefect."""
 
 from __future__ import annotations
 
