@@ -155,12 +155,12 @@ def prefect_messages(flow_run_id) -> list[str]:
         ]
 
 
-def test_two_runs_started_at_once_on_the_same_data_write_one_shard_set_and_both_jobs_train_on_it(
+def test_two_runs_started_at_once_on_the_same_data_write_one_shard_set_and_both_training_jobs_take_it(
     ray_cluster, tiny_model, small_data, tmp_path, monkeypatch
 ):
     """Each run as `finetune` prepares one (flows/finetune.py's `prepared`: its checks, the plan, then
-    tokenize), up to the training job it starts: both jobs train on the one shard set. (Training on a
-    job's shards is every other run's test: the two trainings were 27 s of this test's 34 in CI, 7 s without)"""
+    tokenize), up to the training job it would start: both jobs take the one shard set. (Training on
+    a job's shards is every other run's test: the two trainings were 27 s of this test's 34 in CI, 7 s without)"""
     root = str(tmp_path / "store")
     runs = [params(tiny_model, small_data, root).model_copy(update={"run_id": run_id}) for run_id in ("a", "b")]
     # Both runs have checked their inputs, and found no shards, before either starts tokenizing.
