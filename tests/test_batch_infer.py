@@ -15,7 +15,8 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import BATCH_INFER, cpus_freed, run_batch_infer, session_prefect, write_jsonl
+import torch
+from conftest import BATCH_INFER, cpus_freed, read_jsonl, run_batch_infer, session_prefect, write_jsonl
 from prefect import flow
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, LogFilter, LogFilterFlowRunId
@@ -27,7 +28,9 @@ from tasks.core.config import DataConfig, InferenceConfig
 from tasks.core.data import DataError, load_split
 from tasks.core.files import iter_frames
 from tasks.core.layout import MARKER
+from tasks.core.predictor import Predictor
 from tasks.infer import driver as infer
+from tasks.infer.labels import columns
 from tasks.infer.task import write_test_labels
 from tasks.infer.worker import Counts
 
@@ -165,17 +168,14 @@ def test_bf16_and_a_compiled_model_label_as_fp32_does_and_deepspeed_asks_for_a_g
 ):
     """inference.precision bf16 on a CPU: within rounding of fp32. inference.engine compile (torch.compile):
     fp32's labels and scores. deepspeed (DeepSpeed's CUDA kernels): refused on CPUs in one line before
-    any replica starts, and with device=cpu as the parameters are read."""
-    runs = {
-        "fp32": {"precision": "fp32"},
-        "bf16": {"precision": "bf16"},
-        "compile": {"precision": "fp32", "engine": "compile"},
-    }
+    any replica starts, and with device=cpu as the parameters are read. fp32's are the Predictor's, as
+    the job's one actor (1 CPU: 1 thread) runs it over a.jsonl's one window, here in this process (a job
+    of its own took ~8 s more)."""
+    runs = {"bf16": {"precision": "bf16"}, "compile": {"precision": "fp32", "engine": "compile"}}
     for name, settings in runs.items():
         run_batch_infer(str(tiny_model), str(corpus / "a.jsonl"), str(tmp_path / name), **settings)
-    exact, rounded, compiled = (
-        pq.read_table(tmp_path / name).to_pandas().set_index("id").sort_index() for name in runs
-    )
+    rounded, compiled = (pq.read_table(tmp_path / name).to_pandas().set_index("id").sort_index() for name in runs)
+    exact = fp32_labels(tiny_model, read_jsonl(corpus / "a.jsonl"), "a.jsonl").sort_index()
     assert list(rounded.index) == list(exact.index)
     gap = (rounded["score"] - exact["score"]).abs()
     assert 0 < gap.max() < 0.02  # bf16 did run (scores moved), by rounding only
@@ -191,6 +191,19 @@ def test_bf16_and_a_compiled_model_label_as_fp32_does_and_deepspeed_asks_for_a_g
         run_batch_infer(
             str(tiny_model), str(corpus / "a.jsonl"), str(tmp_path / "ds"), engine="deepspeed", device="cpu"
         )
+
+
+def fp32_labels(model: Path, rows: list[dict], name: str) -> pd.DataFrame:
+    """A file's columns as its job writes them, by the fp32 Predictor with the job's defaults, on 1 thread
+    as its actor of 1 CPU."""
+    threads = torch.get_num_threads()
+    try:
+        predictor = Predictor(str(model), InferenceConfig().batch_size, threads=1, precision="fp32")
+        outputs = predictor.outputs([row["text"] for row in rows])
+    finally:
+        torch.set_num_threads(threads)
+    ids = pd.Index([f"{name}:{i}" for i in range(len(rows))], name="id")
+    return pd.DataFrame(columns(predictor.targets, predictor.thresholds, outputs), index=ids)
 
 
 def test_every_row_of_a_hundred_files_gets_one_prediction(ray_cluster, tiny_model, tmp_path):
