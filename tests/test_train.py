@@ -321,7 +321,7 @@ def test_a_diverged_run_stops_at_once_without_a_retry_or_an_export(tokenized, ti
     would diverge again (tasks/train/worker.py `Diverged`)."""
     root, uris = tokenized
     run_dir = Path(root) / "runs" / "diverged"
-    cfg = TrainConfig(epochs=1, max_steps=20, batch_size=16, num_workers=2, learning_rate=1e10, log_every_steps=5)
+    cfg = TrainConfig(epochs=1, max_steps=20, batch_size=16, num_workers=1, learning_rate=1e10, log_every_steps=5)
     with pytest.raises(FloatingPointError, match=r"^training diverged: the training loss is nan by step \d+ "):
         fit(uris, tiny_model, cfg, run_dir)
     assert not [message for _, _, message in said if "failed" in message], "no attempt was retried"
