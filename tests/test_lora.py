@@ -24,10 +24,11 @@ from tasks.core.sweep_config import SweepParams, with_drawn
 from tasks.core.train_config import Lora, TrainConfig
 from tasks.train.strategy import ModelSize
 
-# ZeRO-0 in bf16 with accumulation (2 workers x micro-batch 4 x 2), and ZeRO-3 partitioning the frozen
-# model, killed at step 3 and resumed from step 2's checkpoint.
+# ZeRO-0 in bf16 with accumulation (1 worker x micro-batch 4 x 4: 2 workers, 4 s more, proved nothing
+# more; ZeRO-3's adapters train on 2), and ZeRO-3 partitioning the frozen model on 2 workers, killed at
+# step 3 and resumed from step 2's checkpoint.
 STRATEGIES = {
-    "zero0-bf16-accumulation": {"zero_stage": 0, "precision": "bf16", "num_workers": 2, "micro_batch_size": 4},
+    "zero0-bf16-accumulation": {"zero_stage": 0, "precision": "bf16", "num_workers": 1, "micro_batch_size": 4},
     "zero3-resumed": {"zero_stage": 3, "num_workers": 2, "checkpoint_every_steps": 2},
 }
 
