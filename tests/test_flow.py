@@ -31,6 +31,7 @@ from prefect.client.schemas.filters import (
     TaskRunFilterStateType,
 )
 from prefect.client.schemas.objects import StateType
+from ray._private import state as ray_state
 from test_train import kill_a_worker_once_a_checkpoint_is_committed
 from transformers import AutoModelForSequenceClassification
 
@@ -301,13 +302,33 @@ def test_training_past_its_timeout_fails_and_frees_the_cluster(ray_cluster, tiny
     run_params = params(tiny_model, small_data, str(tmp_path / "store"))
     # 100 epochs: on a fast machine the usual run (4 epochs, 256 steps) ended within the timeout
     run_params.train = run_params.train.model_copy(update={"timeout_s": 15, "epochs": 100, "max_steps": None})
-    started = time.monotonic()
+    started, earlier = time.monotonic(), controllers()
     with pytest.raises(TimeoutError, match="timed out after 15"):
         finetune(run_params)
     assert time.monotonic() - started < 90, "the timeout did not stop training"
     cpus_freed(ray_cluster, 30, "training workers")
-    time.sleep(5)  # and no controller left to start them again
+    assert dead_for_good(set(controllers()) - set(earlier), within_s=30), "a controller is left to start workers again"
     cpus_freed(ray_cluster, 0, "training workers started again")
+
+
+def controllers() -> dict[str, str]:
+    """The session's Ray Train controllers: {actor id: state}."""
+    return {
+        actor_id: actor["State"]
+        for actor_id, actor in ray_state.actors().items()
+        if actor["ActorClassName"] == "TrainController"
+    }
+
+
+def dead_for_good(started: set[str], within_s: float) -> bool:
+    """The controllers `started` are DEAD (not RESTARTING) within `within_s` seconds: none is left to
+    start workers again (what a 5 s wait after the CPUs were freed said)."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        if started and all(controllers()[actor_id] == "DEAD" for actor_id in started):
+            return True
+        time.sleep(0.2)
+    return False
 
 
 def test_a_timeout_that_lands_inside_ray_reads_as_the_timeout(ray_cluster):
